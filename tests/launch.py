@@ -1,0 +1,127 @@
+"""The one helper every distributed test uses: run a script under torchrun with N CPU ranks.
+
+torchrun (``python -m torch.distributed.run``) starts each worker in a new session, so killing the
+agent's process group would orphan the workers. On timeout we therefore collect the whole process tree
+first, send the agent SIGTERM (it forwards the signal to its workers), and SIGKILL whatever is left.
+A hang fails the test in ``timeout`` seconds instead of stalling CI.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str  # stdout and stderr together, in order
+    timed_out: bool
+
+    def ok_line(self):
+        """The rank-0 line that starts with OK, or None."""
+        return next((ln for ln in self.output.splitlines() if ln.startswith("OK")), None)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_env(**extra):
+    env = dict(os.environ)
+    env.update(
+        GLOO_SOCKET_IFNAME="lo",  # loopback only: no route needed, nothing leaves the machine
+        HF_HUB_OFFLINE="1",  # nothing may be downloaded in tests
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",  # 2-3 ranks on 2 cores: one thread each avoids oversubscription
+        PYTHONUNBUFFERED="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # restarts re-rendezvous cleanly (pytorch#135712)
+    )
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _children():
+    """Map pid -> list of child pids, read from /proc."""
+    tree = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        tree.setdefault(ppid, []).append(int(d))
+    return tree
+
+
+def descendants(pid):
+    tree, out, todo = _children(), [], [pid]
+    while todo:
+        for c in tree.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_tree(proc):
+    """SIGTERM the agent (it forwards to workers), then SIGKILL every process that is left."""
+    pids = descendants(proc.pid)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    for pid in [proc.pid] + pids + descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def run(cmd, timeout, env=None, cwd=REPO):
+    """Run ``cmd`` in its own session; on timeout kill the whole tree and return timed_out=True."""
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env or make_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return Result(proc.returncode, out, False)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        out = proc.stdout.read() if proc.stdout else ""
+        return Result(proc.returncode if proc.returncode is not None else -9, out, True)
+
+
+def torchrun_cmd(script, nproc, args=(), torchrun_args=()):
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes=1", f"--nproc_per_node={nproc}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        *torchrun_args, str(REPO / script), *map(str, args),
+    ]
+
+
+def torchrun(script, nproc, args=(), timeout=180, torchrun_args=(), **env):
+    """Launch ``script`` under torchrun with ``nproc`` CPU ranks (gloo). Never hangs past ``timeout``."""
+    t0 = time.time()
+    res = run(torchrun_cmd(script, nproc, args, torchrun_args), timeout, env=make_env(**env))
+    res.output += f"\n[launch] {script} x{nproc} took {time.time() - t0:.1f}s\n"
+    return res
+
+
+def python(script, args=(), timeout=120, **env):
+    """Run ``script`` as one plain process (no torchrun)."""
+    return run([sys.executable, str(REPO / script), *map(str, args)], timeout, env=make_env(**env))
