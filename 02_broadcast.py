@@ -124,7 +124,7 @@ def main(args):
         dist.broadcast(lib, src=args.src)
         assert torch.equal(ours, lib), f"tree_broadcast != dist.broadcast for {dtype}"
     print0(f"tree_broadcast == dist.broadcast ({args.numel:,} elements; float32, int64, bfloat16) "
-           f"in {rounds} rounds = ceil(log2 {WORLD})")
+           f"in ceil(log2 {WORLD}) = {rounds} round(s)")
 
     # 3. Replicas with different seeds (as if each rank initialised its own model) are not identical...
     model = make_model(seed=RANK).to(device)

@@ -1,0 +1,182 @@
+"""04 - DistributedSampler by hand: which samples each rank sees, and the padding that fools your metrics.
+
+What it teaches, in order:
+  1. DistributedSampler: shuffle with one seed shared by all ranks (so they agree on the permutation), pad it
+     to a multiple of N, and give rank r every N-th index starting at r. Ours yields exactly the indices of
+     torch.utils.data.DistributedSampler, checked on every rank;
+  2. the padding: the first few samples are repeated so every rank gets the same number of batches (or,
+     with drop_last, the tail is dropped);
+  3. set_epoch: without it every epoch replays the same order;
+  4. the evaluation pitfall: the padded duplicates are counted twice in a distributed accuracy, and the fix.
+
+Run it (any N >= 2):
+  CPU:      torchrun --nproc_per_node=3 04_sampler.py
+  N GPUs:   torchrun --nproc_per_node=N 04_sampler.py        (nccl, one GPU per rank)
+  2 nodes:  torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 04_sampler.py
+"""
+
+import argparse
+import math
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.utils.data
+
+# --- distributed setup (the same block in every script: copied, not imported, so each file runs alone) ---
+RANK, WORLD = 0, 1
+
+
+def print0(*msg):
+    """The rank-0 narrative: printed once, not N times."""
+    if RANK == 0:
+        print(*msg, flush=True)
+
+
+def log(*msg):
+    """A per-rank line, tagged so interleaved output stays readable."""
+    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)  # one write: no interleaving
+
+
+def setup(args, min_world=2):
+    """Join the process group. Global RANK names the process; LOCAL_RANK picks its GPU on this node."""
+    global RANK, WORLD
+    if "RANK" not in os.environ:
+        sys.exit(f"error: launch with torchrun, e.g. torchrun --nproc_per_node=2 {os.path.basename(__file__)}")
+    RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if WORLD < min_world:
+        sys.exit(f"error: needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        sys.exit("error: --device cuda but CUDA is not available")
+    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if use_cuda else "cpu")
+    backend = args.backend or ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        torch.cuda.set_device(device)  # before init, so NCCL binds this rank to its own GPU
+    # A timeout turns a dead peer into an error after --timeout-s instead of a silent 30-minute hang.
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s),
+                            device_id=device if backend == "nccl" else None)
+    return device
+
+
+def teardown():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- the idea: a distributed sampler ---
+class DistributedSampler(torch.utils.data.Sampler):
+    """Shard ``dataset``'s indices across ``num_replicas`` ranks; the same indices as torch's sampler."""
+
+    def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0, drop_last=False):
+        # Defaults come from the process group, so inside a torchrun job no arguments are needed.
+        num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
+        rank = dist.get_rank() if rank is None else rank
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]")
+        self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
+        self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
+        n = len(dataset)
+        # Every rank must get the same number of samples, or the ranks would run different numbers of
+        # steps and the gradient all-reduce of the extra step would wait forever. So either drop the tail
+        # (round down) or pad with repeats (round up).
+        if drop_last and n % num_replicas:
+            self.num_samples = math.ceil((n - num_replicas) / num_replicas)
+        else:
+            self.num_samples = math.ceil(n / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch):
+        """Call before each epoch: the shuffle seed is seed + epoch, so forgetting this repeats the order."""
+        self.epoch = epoch
+
+    def __iter__(self):
+        n = len(self.dataset)
+        if self.shuffle:
+            # A generator seeded identically on every rank gives every rank the same permutation; the ranks
+            # then take disjoint slices of it. (A per-rank seed here would overlap and miss samples.)
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(n, generator=g).tolist()
+        else:
+            indices = list(range(n))
+        if self.drop_last:
+            indices = indices[: self.total_size]
+        else:
+            # Pad by cycling through the (shuffled) list from its start: these are the duplicates.
+            indices += [indices[i % n] for i in range(self.total_size - n)]
+        return iter(indices[self.rank : self.total_size : self.num_replicas])  # every N-th, from our rank
+
+    def __len__(self):
+        return self.num_samples
+
+
+# --- the demo ---
+def gather(obj):
+    out = [None] * WORLD
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def main(args):
+    device = setup(args)
+    data = list(range(args.dataset_size))
+    print0(f"world_size={WORLD}, dataset of {len(data)} samples, seed={args.seed}")
+
+    # 1. Ours against torch's, for both drop_last settings and two epochs, on every rank.
+    for drop_last in (False, True):
+        ours = DistributedSampler(data, shuffle=True, seed=args.seed, drop_last=drop_last)
+        ref = torch.utils.data.DistributedSampler(data, shuffle=True, seed=args.seed, drop_last=drop_last)
+        for epoch in (0, 1):
+            ours.set_epoch(epoch)
+            ref.set_epoch(epoch)
+            assert list(ours) == list(ref) and len(ours) == len(ref), (drop_last, epoch)
+    log(f"epoch 0 indices: {list(DistributedSampler(data, seed=args.seed))}  (== torch's, drop_last both ways)")
+
+    # 2. Padding: all ranks together see total_size samples, some twice (or, with drop_last, some never).
+    sampler = DistributedSampler(data, seed=args.seed)
+    seen = sum(gather(list(sampler)), [])
+    dupes = sorted({i for i in seen if seen.count(i) > 1})
+    print0(f"padding: {sampler.total_size} slots for {len(data)} samples -> seen twice: {dupes}")
+    dropped = sorted(set(data) - set(sum(gather(list(DistributedSampler(data, seed=args.seed, drop_last=True))), [])))
+    print0(f"drop_last=True instead: {len(data) - len(dropped)} samples used, never seen this epoch: {dropped}")
+
+    # 3. set_epoch: a new permutation per epoch; forgetting it replays epoch 0's order every epoch.
+    first = list(sampler)
+    sampler.set_epoch(1)
+    assert list(sampler) != first or len(first) < 2
+    log(f"after set_epoch(1): {list(sampler)}  (without it: {first} again)")
+
+    # 4. Evaluation. Pretend the model is right on every sample whose index is not a multiple of 3.
+    sampler.set_epoch(0)
+    correct = torch.tensor([float(i % 3 != 0) for i in sampler], device=device)
+    exact = sum(i % 3 != 0 for i in data) / len(data)
+    # Naive: sum correct and counted over ranks. Padded duplicates are counted twice.
+    naive = torch.stack([correct.sum(), torch.tensor(float(len(correct)), device=device)])
+    # Fix: slot k of rank r is global position k*N + r of the padded list; positions >= len(data) are padding.
+    real = torch.tensor([k * WORLD + RANK < len(data) for k in range(len(correct))], dtype=torch.float32, device=device)
+    fixed = torch.stack([(correct * real).sum(), real.sum()])
+    for t in (naive, fixed):
+        dist.all_reduce(t)  # SUM of counts, then one division: a mean of per-rank accuracies would be wrong too
+    naive_acc, fixed_acc = (naive[0] / naive[1]).item(), (fixed[0] / fixed[1]).item()
+    assert abs(fixed_acc - exact) < 1e-6, (fixed_acc, exact)
+    print0(f"accuracy: exact {exact:.4f} | naive distributed {naive_acc:.4f} over {naive[1]:.0f} samples "
+           f"| padding masked {fixed_acc:.4f} over {fixed[1]:.0f} samples")
+    dist.barrier()
+    print0(f"OK DistributedSampler equals torch's on {WORLD} ranks; padded evaluation fixed")
+    teardown()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dataset-size", type=int, default=11, help="samples in the toy dataset (try one not divisible by N)")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed, shared by all ranks")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if available")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on cuda, gloo on cpu")
+    p.add_argument("--timeout-s", type=float, default=120, help="process-group timeout: a dead peer fails, not hangs")
+    a = p.parse_args()
+    if a.dataset_size < 1 or a.timeout_s <= 0:
+        p.error("--dataset-size must be >= 1 and --timeout-s > 0")
+    main(a)
