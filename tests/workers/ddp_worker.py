@@ -1,0 +1,158 @@
+"""Run under torchrun: ManualDDP equals one process on the whole batch and PyTorch's DDP.
+
+The model has tied weights (embedding = output head, like GPT-2) and a parameter used on rank 0 only.
+Buckets are tiny so there are many. Checked over several optimizer steps with zero_grad(set_to_none=True):
+gradients (manual, naive, torch DDP, single-process reference), weights after the steps, bit-identical ranks,
+buckets launched during backward, no_sync accumulation, construction broadcast and verify=True.
+"""
+
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import load_script  # noqa: E402
+
+ManualDDP = load_script("05_manual_ddp_gpt2.py").ManualDDP
+RANK, WORLD = 0, 1
+
+
+class Tiny(nn.Module):
+    def __init__(self, vocab=40, d=24):
+        super().__init__()
+        # Registered first, so it lands in the LAST bucket (buckets go in reverse registration order) and
+        # the buckets before it can still go out during backward on the ranks that do not use it.
+        self.extra = nn.Linear(d, d)  # used on rank 0 only
+        self.emb = nn.Embedding(vocab, d)
+        self.body = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d), nn.Tanh())
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied, as in GPT-2
+
+    def forward(self, x, use_extra):
+        h = self.body(self.emb(x))
+        if use_extra:
+            h = h + self.extra(h)
+        return self.head(h)
+
+
+def shard(step, rank, micro=0, batch=4, seq=6, vocab=40):
+    g = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro)
+    return torch.randint(0, vocab, (batch, seq + 1), generator=g)
+
+
+def loss_of(model, data, use_extra):
+    logits = model(data[:, :-1], use_extra)
+    return F.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten())
+
+
+def grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def identical_across_ranks(tensors):
+    flat = torch.cat([t.flatten() for t in tensors])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    ok = torch.tensor([int(torch.equal(ref, flat))])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def close(a, b, what):
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-6), f"{what}: max diff {(x - y).abs().max().item()}"
+
+
+def check_training(steps=4):
+    torch.manual_seed(0)
+    base = Tiny()
+    ref, ours, naive, theirs = (copy.deepcopy(base) for _ in range(4))
+    manual = ManualDDP(ours, bucket_cap_mb=0.001)  # ~1 KB buckets: many of them
+    assert len(manual.buckets) >= 5, len(manual.buckets)
+    naive_ddp = ManualDDP(naive, naive=True)
+    torch_ddp = nn.parallel.DistributedDataParallel(theirs, bucket_cap_mb=0.001, find_unused_parameters=True)
+    opts = {name: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for name, m in
+            [("ref", ref), ("manual", ours), ("naive", naive), ("torch", theirs)]}
+    launched_early = []
+    finish = manual._finish
+    manual._finish = lambda: (launched_early.append(manual._next), finish())[1]
+    for step in range(steps):
+        # Reference: one process sees every rank's shard; DDP's gradient is the mean of per-rank means.
+        loss = sum(loss_of(ref, shard(step, r), use_extra=(r == 0)) for r in range(WORLD)) / WORLD
+        loss.backward()
+        for name, wrapped in [("manual", manual), ("naive", naive_ddp), ("torch", torch_ddp)]:
+            loss_of(wrapped, shard(step, RANK), use_extra=(RANK == 0)).backward()
+        close(grads(ours), grads(ref), f"step {step}: manual vs single process")
+        close(grads(ours), grads(theirs), f"step {step}: manual vs torch DDP")
+        close(grads(naive), grads(ref), f"step {step}: naive vs single process")
+        assert identical_across_ranks(grads(ours)), f"step {step}: grads differ across ranks"
+        for opt in opts.values():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    close(list(ours.parameters()), list(ref.parameters()), "weights after steps: manual vs single process")
+    close(list(ours.parameters()), list(theirs.parameters()), "weights after steps: manual vs torch DDP")
+    assert identical_across_ranks(list(ours.parameters())), "weights differ across ranks"
+    # The bucket holding 'extra' never fills on ranks > 0, so at least the buckets before it went out
+    # from the backward hooks, while backward was still running.
+    assert min(launched_early) >= 1, launched_early
+    return len(manual.buckets)
+
+
+def check_no_sync(k=3):
+    torch.manual_seed(1)
+    ref, ours = Tiny(), Tiny()
+    ours.load_state_dict(ref.state_dict())
+    manual = ManualDDP(ours, bucket_cap_mb=0.002)
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]
+    try:
+        with manual.no_sync():
+            for m in range(k - 1):
+                (loss_of(manual, shard(9, RANK, m), RANK == 0) / k).backward()
+        assert not calls, "no_sync must not communicate"
+        (loss_of(manual, shard(9, RANK, k - 1), RANK == 0) / k).backward()
+        assert calls, "the backward after no_sync must communicate"
+    finally:
+        dist.all_reduce = real
+    loss = sum(loss_of(ref, shard(9, r, m), r == 0) for r in range(WORLD) for m in range(k)) / (k * WORLD)
+    loss.backward()
+    close(grads(ours), grads(ref), "no_sync accumulation vs large batch")
+
+
+def check_construction():
+    torch.manual_seed(100 + RANK)  # deliberately different replicas
+    model = Tiny()
+    rank0 = [p.detach().clone() for p in model.parameters()]
+    dist.broadcast_object_list(obj := [rank0], src=0)
+    try:
+        ManualDDP(model, verify=True)
+        raise AssertionError("verify=True accepted different replicas")
+    except ValueError as e:
+        assert "seed" in str(e)
+    ManualDDP(model)  # broadcasts rank 0's weights
+    assert identical_across_ranks(list(model.parameters()))
+    close(list(model.parameters()), obj[0], "after construction every rank holds rank 0's weights")
+    ManualDDP(model, verify=True)  # now identical: accepted
+
+
+def main():
+    global RANK, WORLD
+    dist.init_process_group("gloo")
+    RANK, WORLD = dist.get_rank(), dist.get_world_size()
+    n = check_training()
+    check_no_sync()
+    check_construction()
+    dist.barrier()
+    if RANK == 0:
+        print(f"OK ManualDDP == single process == torch DDP ({n} buckets, tied + unused params) on {WORLD} ranks")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
