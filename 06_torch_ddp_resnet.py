@@ -1,0 +1,292 @@
+"""06 - PyTorch's own DistributedDataParallel: ResNet18 on MNIST, from one laptop to many nodes.
+
+What it teaches: the native counterpart of 05's hand-written wrapper, with everything a real job needs:
+DistributedSampler + set_epoch, validation whose loss and accuracy are correct globally (sums all-reduced,
+padded duplicates not counted), SyncBatchNorm on GPUs, mixed precision, atomic per-epoch checkpoints
+written by global rank 0 and resumed automatically, and three ways to start the processes.
+
+Run it (MNIST is downloaded into --data-dir on first use; --dataset fake needs nothing):
+  1 process:     python 06_torch_ddp_resnet.py
+  spawn N:       python 06_torch_ddp_resnet.py --nproc 2          (torch.multiprocessing, no torchrun)
+  CPU:           torchrun --nproc_per_node=2 06_torch_ddp_resnet.py
+  N GPUs:        torchrun --nproc_per_node=N 06_torch_ddp_resnet.py --max-train-samples 0 --epochs 5 \\
+                     --batch-size 128 --precision bf16 --sync-bn
+  2 nodes:       ./launch_multinode.sh --nodes 2 --nproc-per-node G --master-addr HOST --script 06_torch_ddp_resnet.py
+  restarts:      TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 \\
+                     06_torch_ddp_resnet.py --out ckpt
+"""
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+# --- distributed setup (the same block in every script: copied, not imported, so each file runs alone) ---
+RANK, WORLD = 0, 1
+
+
+def print0(*msg):
+    """The rank-0 narrative: printed once, not N times."""
+    if RANK == 0:
+        print(*msg, flush=True)
+
+
+def log(*msg):
+    """A per-rank line, tagged so interleaved output stays readable."""
+    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)  # one write: no interleaving
+
+
+def setup(args):
+    """Join the process group. Global RANK names the process; LOCAL_RANK picks its GPU on this node."""
+    global RANK, WORLD
+    RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        sys.exit("error: --device cuda but CUDA is not available")
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    backend = args.backend or ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        torch.cuda.set_device(device)  # before init, so NCCL binds this rank to its own GPU
+    # A timeout turns a dead peer into an error after --timeout-s instead of a silent 30-minute hang.
+    kw = dict(timeout=timedelta(seconds=args.timeout_s), device_id=device if backend == "nccl" else None)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, **kw)
+    else:  # plain `python`: a group of one, in memory, so the same code path runs without torchrun
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+    return device, local_rank
+
+
+def teardown():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- model and data ---
+class UsageError(Exception):
+    """Bad input or missing data: reported as one line, exit status 2."""
+
+
+def build_model(num_classes=10):
+    """torchvision's ResNet18 for 1x28x28 input: a 3x3 stem and no max-pool, so 28x28 is not shrunk to 7x7
+    before the first residual block."""
+    import torchvision
+    model = torchvision.models.resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(1, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+def load_data(args, local_rank):
+    import torchvision.datasets as D
+    import torchvision.transforms as T
+    tf = T.Compose([T.ToTensor(), T.Normalize((0.1307,), (0.3081,))])  # MNIST's mean and std
+    if args.dataset == "fake":
+        return (D.FakeData(args.fake_size, (1, 28, 28), 10, tf, random_offset=0),
+                D.FakeData(args.fake_size // 4, (1, 28, 28), 10, tf, random_offset=args.fake_size))
+    # Local rank 0 of each node downloads (if needed) while the others wait, so no two processes write the
+    # same files. Then every rank learns whether it worked: a rank left waiting in a collective would hang.
+    error = ""
+    if local_rank == 0:
+        try:
+            D.MNIST(args.data_dir, train=True, download=True)
+            D.MNIST(args.data_dir, train=False, download=True)
+        except Exception as e:  # offline, proxy, disk full...
+            error = str(e).strip().splitlines()[0]
+    errors = [None] * WORLD
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        raise UsageError(f"MNIST is not in --data-dir {args.data_dir} and could not be downloaded "
+                         f"({next(e for e in errors if e)}). Put the four MNIST files in "
+                         f"{os.path.join(args.data_dir, 'MNIST', 'raw')}, or run a smoke test with --dataset fake")
+    train, val = D.MNIST(args.data_dir, train=True, transform=tf), D.MNIST(args.data_dir, train=False, transform=tf)
+    cut = lambda ds, n: torch.utils.data.Subset(ds, range(min(n, len(ds)))) if n else ds  # noqa: E731
+    return cut(train, args.max_train_samples), cut(val, args.max_val_samples)
+
+
+# --- checkpoints ---
+def save_atomic(obj, path):
+    """Global rank 0 only. Temp file, fsync, rename: a crash mid-write never leaves a torn checkpoint."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --- training and validation ---
+def evaluate(model, loader, device, n_total):
+    """Loss and accuracy over the whole validation set, whatever the number of ranks.
+
+    DistributedSampler pads the last round with duplicates so all ranks get equal batches. Slot k of rank r is
+    position k*N + r of the padded order; positions >= len(dataset) are those duplicates, so we mask them.
+    """
+    model.eval()
+    sums = torch.zeros(3, device=device, dtype=torch.float64)  # loss sum, correct, count
+    k = 0
+    with torch.no_grad():
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            real = (torch.arange(k, k + len(y), device=device) * WORLD + RANK) < n_total
+            k += len(y)
+            logits = model(x)
+            loss = nn.functional.cross_entropy(logits.float(), y, reduction="none")
+            sums += torch.stack([(loss * real).sum(), ((logits.argmax(1) == y) & real).sum(), real.sum()]).double()
+    dist.all_reduce(sums)  # SUMs over ranks, then one division: a mean of per-rank means would be wrong
+    return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item(), int(sums[2].item())
+
+
+def main(args):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler
+    from tqdm import tqdm
+    device, local_rank = setup(args)
+    print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} precision={args.precision} "
+           f"torch={torch.__version__}")
+    train_set, val_set = load_data(args, local_rank)
+    # Same seed everywhere: one permutation, cut into disjoint shards. Validation is not shuffled; it is padded.
+    train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
+    val_sampler = DistributedSampler(val_set, shuffle=False)
+    train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, num_workers=args.workers, drop_last=True)
+    val_loader = DataLoader(val_set, args.batch_size, sampler=val_sampler, num_workers=args.workers)
+    if len(train_loader) == 0:
+        raise UsageError(f"{len(train_set)} training samples are too few for {WORLD} ranks x --batch-size {args.batch_size}")
+    print0(f"data: {args.dataset}, {len(train_set):,} train / {len(val_set):,} val samples, "
+           f"{len(train_loader)} steps per epoch per rank")
+
+    torch.manual_seed(args.seed)  # identical init everywhere (DDP also broadcasts rank 0's weights)
+    model = build_model().to(device)
+    if args.sync_bn and device.type == "cuda":
+        # BatchNorm normalises with the statistics of its own rank's batch. SyncBatchNorm all-reduces them
+        # over ranks (one extra collective per BN layer per step), which helps when per-GPU batches are tiny.
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    elif args.sync_bn:
+        print0("note: --sync-bn ignored: SyncBatchNorm's kernels are CUDA-only; on CPU each rank keeps its own BN stats")
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    total = args.epochs * len(train_loader)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=total, pct_start=0.2)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+
+    start_epoch, ckpt_path = 0, os.path.join(args.out, "checkpoint.pt") if args.out else None
+    if RANK == 0 and args.out:
+        os.makedirs(args.out, exist_ok=True)
+    found = [bool(ckpt_path and os.path.exists(ckpt_path))]
+    dist.broadcast_object_list(found, src=0)  # rank 0 decides, so all ranks resume (or not) together
+    if found[0]:
+        # map_location: the file holds rank 0's device; each rank loads onto its own.
+        ckpt = torch.load(ckpt_path, map_location=device)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        sched.load_state_dict(ckpt["scheduler"])
+        scaler.load_state_dict(ckpt["scaler"])
+        start_epoch = ckpt["epoch"]
+        print0(f"resumed from {ckpt_path} after epoch {start_epoch}")
+
+    step = start_epoch * len(train_loader)
+    for epoch in range(start_epoch, args.epochs):
+        train_sampler.set_epoch(epoch)  # without it every epoch would replay epoch 0's order
+        ddp.train()
+        t0, loss_sum, seen = time.perf_counter(), torch.zeros((), device=device), 0
+        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", disable=RANK != 0 or not sys.stderr.isatty(), leave=False)
+        for x, y in bar:
+            if step == args.crash_at_step and RANK == WORLD - 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                log(f"--crash-at-step {step}: SIGKILL to myself (first attempt only)")
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = nn.functional.cross_entropy(ddp(x).float(), y)
+            scaler.scale(loss).backward()  # DDP all-reduces gradient buckets during this call
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            loss_sum += loss.detach() * len(y)
+            seen += len(y)
+            step += 1
+        train = torch.stack([loss_sum, torch.tensor(float(seen), device=device)])
+        dist.all_reduce(train)
+        elapsed = time.perf_counter() - t0
+        val_loss, val_acc, n_val = evaluate(ddp, val_loader, device, len(val_set))
+        print0(f"epoch {epoch + 1:>3}/{args.epochs} | train loss {(train[0] / train[1]).item():.4f} | val loss "
+               f"{val_loss:.4f} | val acc {val_acc:.4f} ({n_val} samples) | {train[1].item() / elapsed:,.0f} samples/s")
+        if args.out and RANK == 0:  # global rank 0: one writer, even with many nodes
+            save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                         "scaler": scaler.state_dict(), "epoch": epoch + 1}, ckpt_path)
+    if args.out and RANK == 0:
+        # The bare model's state dict (model, not ddp): no "module." prefix, loads into build_model().
+        save_atomic(model.state_dict(), os.path.join(args.out, "model.pt"))
+        print0(f"saved {os.path.join(args.out, 'model.pt')}")
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    same = torch.tensor([float(torch.equal(ref, flat))], device=device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    if not same.item():
+        raise RuntimeError("replicas diverged: weights differ across ranks")
+    print0(f"OK DDP ResNet18 on {WORLD} rank(s): replicas identical after {args.epochs} epoch(s)")
+    teardown()
+
+
+def run(args):
+    try:
+        main(args)
+    except UsageError as e:
+        print0(f"error: {e}")
+        teardown()
+        sys.exit(2)
+
+
+def spawned(local_rank, args, port):
+    """Entry point of each process started by --nproc: the environment torchrun would have set."""
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    run(args)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dataset", choices=["mnist", "fake"], default="mnist", help="fake: torchvision FakeData, offline")
+    p.add_argument("--data-dir", default="data", help="torchvision's MNIST root")
+    p.add_argument("--max-train-samples", type=int, default=2000, help="first N training images (0: all 60,000)")
+    p.add_argument("--max-val-samples", type=int, default=1000, help="first N test images (0: all 10,000)")
+    p.add_argument("--fake-size", type=int, default=2000, help="training images with --dataset fake")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--lr", type=float, default=0.05, help="peak learning rate (one-cycle schedule)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="autocast dtype")
+    p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (GPU only)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="checkpoint every epoch, resume from it, final model.pt")
+    p.add_argument("--nproc", type=int, default=0, help="start this many local processes yourself (no torchrun)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if available")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on cuda, gloo on cpu")
+    p.add_argument("--timeout-s", type=float, default=300, help="process-group timeout: a dead peer fails, not hangs")
+    p.add_argument("--crash-at-step", type=int, default=-1, help="demo: SIGKILL the last rank at this step, first attempt only")
+    a = p.parse_args()
+    if min(a.epochs, a.batch_size, a.fake_size) < 1 or min(a.max_train_samples, a.max_val_samples, a.workers, a.nproc) < 0:
+        p.error("--epochs, --batch-size, --fake-size must be >= 1; sample limits, --workers, --nproc >= 0")
+    if a.lr <= 0 or a.timeout_s <= 0:
+        p.error("--lr and --timeout-s must be > 0")
+    if a.nproc and "RANK" in os.environ:
+        p.error("--nproc starts its own processes: use it with plain python, not under torchrun")
+    if a.nproc:
+        with socket.socket() as s:  # a free port for the rendezvous on this machine
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            torch.multiprocessing.spawn(spawned, args=(a, port), nprocs=a.nproc)
+        except torch.multiprocessing.ProcessExitedException as e:  # the worker already said why
+            sys.exit(e.exit_code or 1)
+    else:
+        run(a)

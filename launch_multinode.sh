@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Print the exact commands that run one of our scripts on several nodes: torchrun with a static rendezvous
+# (one line per node), torchrun with the elastic c10d rendezvous (one line for all nodes), a SLURM batch
+# script, and the environment variables that matter. It prints; it runs nothing.
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+usage: ./launch_multinode.sh --nodes N --nproc-per-node G --master-addr HOST [--master-port P]
+                             [--script FILE] [-- SCRIPT_ARGS...]
+
+  --nodes N            number of machines (>= 1)
+  --nproc-per-node G   processes per machine, usually its number of GPUs (>= 1)
+  --master-addr HOST   address of node 0, reachable from every node
+  --master-port P      a free TCP port on node 0 (default 29500)
+  --script FILE        the training script (default 05_manual_ddp_gpt2.py)
+  -- SCRIPT_ARGS       passed to the script unchanged
+
+example:
+  ./launch_multinode.sh --nodes 2 --nproc-per-node 8 --master-addr 10.0.0.1 -- --out ckpt --precision bf16
+EOF
+}
+
+die() { echo "error: $*" >&2; exit 2; }
+
+[ $# -eq 0 ] && { usage; exit 0; }
+
+nodes="" nproc="" addr="" port=29500 script=05_manual_ddp_gpt2.py
+script_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --nodes|--nproc-per-node|--master-addr|--master-port|--script)
+      [ $# -ge 2 ] || die "$1 needs a value"
+      case "$1" in
+        --nodes) nodes=$2 ;; --nproc-per-node) nproc=$2 ;; --master-addr) addr=$2 ;;
+        --master-port) port=$2 ;; --script) script=$2 ;;
+      esac
+      shift 2 ;;
+    --) shift; script_args=("$@"); break ;;
+    *) die "unknown argument '$1' (see ./launch_multinode.sh --help)" ;;
+  esac
+done
+
+is_int() { [[ "$1" =~ ^[0-9]+$ ]]; }
+is_int "$nodes" && [ "$nodes" -ge 1 ] || die "--nodes must be an integer >= 1, got '${nodes}'"
+is_int "$nproc" && [ "$nproc" -ge 1 ] || die "--nproc-per-node must be an integer >= 1, got '${nproc}'"
+[ -n "$addr" ] || die "--master-addr is required: the address of node 0, reachable from every node"
+is_int "$port" && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] || die "--master-port must be 1-65535, got '$port'"
+[ -f "$script" ] || die "--script '$script' does not exist (run from the repository root, or give a path)"
+
+# Quote the script's arguments so the printed lines paste back into a shell unchanged.
+tail_args=$(printf ' %q' "$script" "${script_args[@]}")
+world=$((nodes * nproc))
+
+echo "# $nodes node(s) x $nproc process(es) = $world ranks. Run from the repository root on every node."
+echo
+echo "# --- environment (on every node, before torchrun) ---"
+echo "export NCCL_SOCKET_IFNAME=eth0      # the NIC that reaches $addr (see 'ip -br addr'); NCCL guesses otherwise"
+echo "export GLOO_SOCKET_IFNAME=eth0      # the same for gloo (CPU runs and some control traffic)"
+echo "export NCCL_IB_DISABLE=0            # 1 forces TCP when InfiniBand is absent or misconfigured"
+echo "export NCCL_DEBUG=WARN              # INFO prints the chosen rings/transports: first thing to read on a hang"
+echo "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # restarted rounds re-rendezvous cleanly (pytorch#135712)"
+echo
+echo "# --- static rendezvous: node 0 hosts it at $addr:$port; run line K on node K ---"
+for ((k = 0; k < nodes; k++)); do
+  echo "torchrun --nnodes=$nodes --node_rank=$k --nproc_per_node=$nproc --master_addr=$addr --master_port=$port$tail_args"
+done
+echo
+echo "# --- c10d rendezvous (elastic): the same line on every node, in any order; add --max-restarts=3 to survive crashes ---"
+echo "torchrun --nnodes=$nodes --nproc_per_node=$nproc --rdzv-backend=c10d --rdzv-endpoint=$addr:$port --rdzv-id=ddp-job$tail_args"
+echo
+echo "# --- SLURM: save as job.sbatch, then: sbatch job.sbatch (one torchrun per node, srun starts them) ---"
+cat <<EOF
+#!/bin/bash
+#SBATCH --job-name=ddp
+#SBATCH --nodes=$nodes
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=$nproc
+#SBATCH --cpus-per-task=$((nproc * 4))
+export MASTER_ADDR=\$(scontrol show hostnames "\$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_PORT=$port
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+srun torchrun --nnodes=\$SLURM_NNODES --nproc_per_node=$nproc --rdzv-backend=c10d \\
+    --rdzv-endpoint=\$MASTER_ADDR:\$MASTER_PORT --rdzv-id=\$SLURM_JOB_ID --max-restarts=3$tail_args
+EOF

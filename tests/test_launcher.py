@@ -1,0 +1,68 @@
+"""launch_multinode.sh: its output, its errors, and its printed commands really running on 2 loopback nodes."""
+
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+import launch
+
+SH = str(launch.REPO / "launch_multinode.sh")
+
+
+def sh(*args):
+    return subprocess.run([SH, *map(str, args)], cwd=launch.REPO, capture_output=True, text=True, timeout=30)
+
+
+def test_no_arguments_prints_usage_and_example():
+    res = sh()
+    assert res.returncode == 0 and "usage:" in res.stdout and "example:" in res.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nodes", "0", "--nproc-per-node", "1", "--master-addr", "h"], "--nodes must be an integer >= 1"),
+    (["--nodes", "2", "--nproc-per-node", "1"], "--master-addr is required"),
+    (["--nodes", "2", "--nproc-per-node", "1", "--master-addr", "h", "--script", "nope.py"], "'nope.py' does not exist"),
+    (["--nodes", "2", "--nproc-per-node", "x", "--master-addr", "h"], "--nproc-per-node must be an integer"),
+    (["--bogus"], "unknown argument '--bogus'"),
+])
+def test_bad_arguments(args, message):
+    res = sh(*args)
+    assert res.returncode != 0 and res.stdout == ""
+    assert res.stderr.count("\n") == 1 and message in res.stderr, res.stderr
+
+
+def test_prints_every_form():
+    out = sh("--nodes", "3", "--nproc-per-node", "8", "--master-addr", "10.1.2.3", "--master-port", "1234",
+             "--", "--out", "my dir").stdout
+    static = [ln for ln in out.splitlines() if ln.startswith("torchrun") and "--node_rank" in ln]
+    assert [shlex.split(ln)[2] for ln in static] == ["--node_rank=0", "--node_rank=1", "--node_rank=2"]
+    assert all("--master_addr=10.1.2.3 --master_port=1234 05_manual_ddp_gpt2.py --out my\\ dir" in ln for ln in static)
+    assert "--rdzv-backend=c10d --rdzv-endpoint=10.1.2.3:1234" in out
+    assert "#SBATCH --nodes=3" in out and "srun torchrun" in out
+    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_DEBUG",
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        assert f"export {var}=" in out
+
+
+@pytest.mark.parametrize("form", ["static", "c10d"])
+def test_printed_commands_run_on_two_loopback_nodes(form):
+    out = sh("--nodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+             launch.free_port(), "--script", "02_broadcast.py", "--", "--src", "1").stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith("torchrun")]
+    cmds = lines[:2] if form == "static" else [lines[2]] * 2  # c10d: the same line on both "nodes"
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *shlex.split(c)[1:]], cwd=launch.REPO,
+                              env=launch.make_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for c in cmds]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                launch.kill_tree(q)
+            pytest.fail("the printed commands hung")
+    assert all(p.returncode == 0 for p in procs), outs
+    both = "\n".join(outs)
+    assert "OK dist.broadcast" in both and "[rank 0/2]" in both and "[rank 1/2]" in both, both
