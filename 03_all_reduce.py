@@ -69,14 +69,30 @@ def teardown():
 
 
 # --- the idea: a ring all-reduce on point-to-point messages ---
-def _exchange(send, recv, right, left):
-    """Send to the right neighbour while receiving from the left one. Both are posted together
-    (batch_isend_irecv): with plain blocking send() every rank would wait for a recv() nobody has posted."""
-    ops = ([dist.P2POp(dist.isend, send, right)] if send.numel() else []) + \
-          ([dist.P2POp(dist.irecv, recv, left)] if recv.numel() else [])
-    if ops:  # with fewer elements than ranks some chunks are empty: both neighbours skip them alike
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+_inboxes = {}  # (dtype, device) -> receive buffer kept between calls: fresh memory costs page faults
+
+
+def _inbox(like, numel):
+    buf = _inboxes.get((like.dtype, like.device))
+    if buf is None or buf.numel() < numel:
+        buf = _inboxes[(like.dtype, like.device)] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
+
+
+def _exchange(send, recv, right, left, nccl):
+    """Send to the right neighbour while receiving from the left one.
+
+    On NCCL both directions must be posted together as one group (batch_isend_irecv): a rank alone in a
+    blocking send would wait for a receive its neighbour has not posted yet, and so on around the ring.
+    gloo runs each isend/irecv in the background by itself; there the batching wrapper only adds overhead.
+    """
+    ops = ([(dist.isend, send, right)] if send.numel() else []) + ([(dist.irecv, recv, left)] if recv.numel() else [])
+    if nccl and ops:
+        reqs = dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t, peer in ops])
+    else:  # with fewer elements than ranks some chunks are empty: both neighbours skip them alike
+        reqs = [op(t, peer) for op, t, peer in ops]
+    for req in reqs:
+        req.wait()
 
 
 def ring_all_reduce(tensor):
@@ -90,17 +106,17 @@ def ring_all_reduce(tensor):
         return tensor
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     chunks = flat.tensor_split(world)  # N views; sizes differ by at most one element, chunk 0 the largest
-    right, left = (rank + 1) % world, (rank - 1) % world
-    inbox = torch.empty_like(chunks[0])  # allocated once, reused every step
+    right, left, nccl = (rank + 1) % world, (rank - 1) % world, dist.get_backend() == "nccl"
     # Reduce-scatter. In step s, rank r sends chunk r-s and receives chunk r-s-1, adding it to its own.
     # After N-1 steps rank r holds the complete sum of chunk r+1: it is that chunk's owner.
     for s in range(world - 1):
         mine, theirs = chunks[(rank - s) % world], chunks[(rank - s - 1) % world]
-        _exchange(mine, inbox[: theirs.numel()], right, left)
-        theirs += inbox[: theirs.numel()]
+        inbox = _inbox(flat, theirs.numel())
+        _exchange(mine, inbox, right, left, nccl)
+        theirs += inbox
     # All-gather. The owners pass finished chunks on; receivers overwrite (no addition), so the bits match.
     for s in range(world - 1):
-        _exchange(chunks[(rank + 1 - s) % world], chunks[(rank - s) % world], right, left)
+        _exchange(chunks[(rank + 1 - s) % world], chunks[(rank - s) % world], right, left, nccl)
     if flat.data_ptr() != tensor.data_ptr():  # we worked on a contiguous copy: write it back
         tensor.copy_(flat.view_as(tensor))
     return tensor
@@ -163,19 +179,21 @@ def benchmark(args, device):
     bus = 2 * (WORLD - 1) / WORLD  # bytes each rank must send per byte reduced (nccl-tests' busbw factor)
     rows = []
     for nbytes in sizes:
-        x = torch.randn(nbytes // 4, device=device)
-        reps = args.iters if nbytes <= 1 << 20 else max(5, args.iters // 4)  # same count on every rank
+        x = torch.zeros(nbytes // 4, device=device)  # sums of zeros stay zero: no overflow over many calls
+        # As nccl-tests do, time a run of back-to-back calls and divide: one call of a small message is shorter
+        # than the clock's noise and the skew between ranks leaving the barrier.
+        calls = max(1, min(100, (16 << 20) // nbytes))
         times = {name: [] for name in impls}
-        for i in range(reps + 2):  # two untimed warm-up rounds
-            for name, fn in impls.items():
+        for i in range(args.iters + 1):  # round 0 warms up (connections, buffers) and is not timed
+            for name, fn in impls.items():  # interleaved: ring, library, ring, ... so noise hits both alike
                 sync(device)
-                dist.barrier()  # start together, so we time the collective and not a late peer
+                dist.barrier()
                 t0 = time.perf_counter()
-                fn(x)
+                for _ in range(calls):
+                    fn(x)
                 sync(device)
-                if i >= 2:
-                    times[name].append(time.perf_counter() - t0)
-                x.div_(WORLD)  # keep values bounded across repetitions
+                if i:
+                    times[name].append((time.perf_counter() - t0) / calls)
         # A collective is as slow as its slowest rank: take the max over ranks of each repetition.
         t = torch.tensor([times["ring"], times["library"]], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -187,11 +205,12 @@ def benchmark(args, device):
         row["ring_over_library_busbw"] = row["ring_busbw_gbps"] / row["library_busbw_gbps"]
         rows.append(row)
     print0(f"\nall-reduce float32, world_size={WORLD}, backend={dist.get_backend()}, torch {torch.__version__}, "
-           f"median of {args.iters} reps (max over ranks); busbw = algbw * 2(N-1)/N")
-    print0("| size | ring ms | library ms | ring busbw GB/s | library busbw GB/s | ring/library |")
+           f"median of {args.iters} rounds (max over ranks); busbw = algbw * 2(N-1)/N")
+    print0("| size | ring ms (p25-p75) | library ms (p25-p75) | ring busbw GB/s | library busbw GB/s | ring/library |")
     print0("|---:|---:|---:|---:|---:|---:|")
+    spread = lambda r, n: f"{r[n + '_ms']:8.3f} ({r[n + '_ms_p25']:.3f}-{r[n + '_ms_p75']:.3f})"  # noqa: E731
     for r in rows:
-        print0(f"| {human(r['bytes']):>7} | {r['ring_ms']:8.3f} | {r['library_ms']:8.3f} | {r['ring_busbw_gbps']:7.3f} "
+        print0(f"| {human(r['bytes']):>7} | {spread(r, 'ring')} | {spread(r, 'library')} | {r['ring_busbw_gbps']:7.3f} "
                f"| {r['library_busbw_gbps']:7.3f} | {r['ring_over_library_busbw']:5.2f} |")
     if RANK == 0 and args.json:
         with open(args.json, "w") as f:
@@ -251,7 +270,7 @@ if __name__ == "__main__":
     p.add_argument("--benchmark", action="store_true", help="time ring_all_reduce vs dist.all_reduce per size")
     p.add_argument("--min-bytes", type=int, default=1 << 10, help="smallest benchmark message")
     p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest benchmark message")
-    p.add_argument("--iters", type=int, default=20, help="timed repetitions per size (a quarter above 1 MiB)")
+    p.add_argument("--iters", type=int, default=20, help="timed rounds per size and implementation")
     p.add_argument("--json", default=None, help="with --benchmark: write the results to this JSON file")
     p.add_argument("--plot", default=None, help="with --benchmark: write busbw vs size to this PNG")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if available")
