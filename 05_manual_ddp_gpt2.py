@@ -21,10 +21,13 @@ Run it (the default trains a small GPT-2 offline on Python's own standard librar
 
 import argparse
 import contextlib
+import copy
 import glob
+import json
 import math
 import os
 import signal
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -88,7 +91,7 @@ class _Bucket:
 class ManualDDP(nn.Module):
     """Data parallelism from primitives: after ``loss.backward()`` every ``.grad`` is the mean over ranks."""
 
-    def __init__(self, module, bucket_cap_mb=25, verify=False, naive=False):
+    def __init__(self, module, bucket_cap_mb=25, verify=False, naive=False, first_bucket_mb=1):
         super().__init__()
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
@@ -106,8 +109,10 @@ class ManualDDP(nn.Module):
         self.params = [p for p in module.parameters() if p.requires_grad]
         # Buckets in REVERSE registration order: backward produces gradients roughly from the last layer to
         # the first, so the first bucket fills first and its all-reduce can start while backward goes on.
-        cap, self.buckets, cur = bucket_cap_mb * 2**20, [], []
+        # The first bucket is small (1 MiB, as in PyTorch's DDP) so that communication starts early.
+        self.buckets, cur = [], []
         for p in reversed(self.params):
+            cap = min(first_bucket_mb, bucket_cap_mb) * 2**20 if not self.buckets else bucket_cap_mb * 2**20
             if cur and (sum(q.numel() * q.element_size() for q in cur) + p.numel() * p.element_size() > cap
                         or p.dtype != cur[0].dtype or p.device != cur[0].device):
                 self.buckets.append(_Bucket(cur))
@@ -164,6 +169,7 @@ class ManualDDP(nn.Module):
             view.zero_()
         else:
             torch.div(p.grad, self.world, out=view)
+            p.grad = view  # the bucket now holds the gradient: free autograd's separate copy at once
         bucket.ready[i] = True
 
     def _launch_ready(self):
@@ -191,7 +197,7 @@ class ManualDDP(nn.Module):
         self._launch_ready()
         for b in self.buckets:
             b.work.wait()
-            # The gradients become views of the bucket (like DDP's gradient_as_bucket_view): no copy back,
+            # The gradients are views of the bucket (like DDP's gradient_as_bucket_view): no copy back,
             # and no second copy of all gradients in memory.
             for p, view in zip(b.params, b.views):
                 p.grad = view
@@ -350,11 +356,11 @@ def lr_factor(step, args):
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def wrap(model, args, device):
-    if args.impl == "torch":  # PyTorch's own, for comparison: same bucket size, no unused-parameter search
+def wrap(model, impl, args, device):
+    if impl == "torch":  # PyTorch's own, for comparison: same bucket size, no unused-parameter search
         return nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_cap_mb)
-    return ManualDDP(model, bucket_cap_mb=args.bucket_cap_mb, naive=args.impl == "naive")
+    return ManualDDP(model, bucket_cap_mb=args.bucket_cap_mb, naive=impl == "naive")
 
 
 # --- training ---
@@ -374,7 +380,7 @@ def train(args, device, local_rank):
     ckpt = torch.load(ckpt_path, map_location=device) if ckpt_path else None  # every rank reads the same file
     if ckpt:
         model.load_state_dict(ckpt["model"])
-    ddp = wrap(model, args, device)
+    ddp = wrap(model, args.impl, args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16 needs loss scaling
@@ -484,6 +490,106 @@ def finish(args, tok, model, device, first_loss, last_loss):
         print0(f"OK {args.impl} DDP on {WORLD} rank(s): nothing left to train (resumed at --max-steps)")
 
 
+# --- benchmark: the same model and data through each implementation, interleaved ---
+def _peak_mb(fn, device):
+    """Peak memory (MiB) that fn() adds: the CUDA allocator's peak on GPU, the peak resident set on CPU."""
+    import gc
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    import ctypes
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back, so the next measurement starts clean
+    status = lambda key: int(next(ln for ln in open("/proc/self/status") if ln.startswith(key)).split()[1])  # noqa: E731
+    base = status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set (VmHWM) to the current one
+    fn()
+    return (status("VmHWM:") - base) / 1024
+
+
+def benchmark(args, device, local_rank):
+    tok, base = build_model(args)
+    data = Blocks(tokenize(load_texts(args, local_rank), tok), args.seq_len)
+    feed = batches_from(data, (len(data) // WORLD) // args.batch_size, args, 0)
+    batches = [next(feed)[1].to(device) for _ in range(4)]
+    base.to(device)
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+    impls = ["manual", "naive", "torch", "none"]  # none: no DDP at all, each rank alone (no communication)
+
+    def make(impl):
+        model = copy.deepcopy(base)
+        wrapped = model if impl == "none" else wrap(model, impl, args, device)
+        return wrapped, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(wrapped, opt, batch):
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = wrapped(input_ids=batch[:, :-1]).logits
+        nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    # Memory first, one implementation at a time: what wrapping + optimizer + two steps add to the bare model.
+    peak = {}
+    for impl in ["none"] + impls:  # the first measurement also pays one-time costs: it is discarded
+        peak[impl] = _peak_mb(lambda: [step(*(w := make(impl)), b) for b in batches[:2]], device)
+        dist.barrier()
+    # Then time, interleaved A B C D A B C D..., so machine noise hits all alike; warm-up rounds untimed.
+    runs = {impl: make(impl) for impl in impls}
+    times = {impl: [] for impl in impls}
+    for i in range(args.bench_warmup + args.bench_steps):
+        for impl in impls:
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(*runs[impl], batches[i % len(batches)])
+            sync()
+            if i >= args.bench_warmup:
+                times[impl].append(time.perf_counter() - t0)
+    t = torch.tensor([times[i] for i in impls], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+    res = {}
+    for impl, ts in zip(impls, t.tolist()):
+        q1, med, q3 = statistics.quantiles(ts, n=4) if len(ts) > 1 else ts * 3
+        res[impl] = {"step_ms": med * 1e3, "step_ms_p25": q1 * 1e3, "step_ms_p75": q3 * 1e3, "peak_mem_mb": peak[impl]}
+    for r in res.values():
+        r["ratio_to_torch"] = r["step_ms"] / res["torch"]["step_ms"]
+        r["scaling_efficiency"] = res["none"]["step_ms"] / r["step_ms"]  # same per-rank work, plus communication
+    n_params = sum(p.numel() for p in base.parameters())
+    print0(f"\nDDP step time, {WORLD} ranks, {dist.get_backend()}, {n_params / 1e6:.2f}M parameters, batch "
+           f"{args.batch_size}x{args.seq_len} per rank, bucket_cap_mb={args.bucket_cap_mb}, torch {torch.__version__}; "
+           f"median of {args.bench_steps} interleaved steps (max over ranks)")
+    print0("| impl | step ms (p25-p75) | vs torch DDP | scaling efficiency | peak memory MiB |\n|---|---:|---:|---:|---:|")
+    for impl, r in res.items():
+        print0(f"| {impl:<6} | {r['step_ms']:7.1f} ({r['step_ms_p25']:.1f}-{r['step_ms_p75']:.1f}) | "
+               f"{r['ratio_to_torch']:5.2f} | {r['scaling_efficiency']:5.2f} | {r['peak_mem_mb']:7.1f} |")
+    if RANK == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump({"world_size": WORLD, "backend": dist.get_backend(), "device": device.type,
+                       "torch": torch.__version__, "parameters": n_params, "impls": res}, f, indent=1)
+        print0(f"wrote {args.json}")
+    if RANK == 0 and args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        med = [res[i]["step_ms"] for i in impls]
+        err = [[m - res[i]["step_ms_p25"] for m, i in zip(med, impls)], [res[i]["step_ms_p75"] - m for m, i in zip(med, impls)]]
+        ax.bar(impls, med, yerr=err, capsize=4, color=["tab:green", "tab:red", "tab:blue", "tab:gray"])
+        ax.set(ylabel="step time (ms), median and p25-p75", title=f"GPT-2 step, {WORLD} ranks, {dist.get_backend()}")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print0(f"wrote {args.plot}")
+    print0(f"OK benchmark: manual/torch = {res['manual']['ratio_to_torch']:.2f}, naive/torch = {res['naive']['ratio_to_torch']:.2f}")
+
+
 def main(args):
     device, local_rank = setup(args)
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} impl={args.impl} "
@@ -491,8 +597,11 @@ def main(args):
     import transformers
     transformers.logging.set_verbosity_error()  # long documents trigger a harmless length warning
     transformers.utils.logging.disable_progress_bar()
-    tok, model, first, last = train(args, device, local_rank)
-    finish(args, tok, model, device, first, last)
+    if args.benchmark:
+        benchmark(args, device, local_rank)
+    else:
+        tok, model, first, last = train(args, device, local_rank)
+        finish(args, tok, model, device, first, last)
     teardown()
 
 
@@ -533,10 +642,16 @@ def parse_args(argv=None):
     g.add_argument("--profile", default=None, help="write a torch.profiler trace of steps 3-5 per rank here")
     g.add_argument("--prompt", default="def ", help="start of the generated sample")
     g.add_argument("--sample-tokens", type=int, default=120, help="tokens generated at the end (0: none)")
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--benchmark", action="store_true", help="time manual, naive, torch DDP and no DDP side by side")
+    g.add_argument("--bench-steps", type=int, default=20, help="timed steps per implementation")
+    g.add_argument("--bench-warmup", type=int, default=3, help="untimed steps per implementation first")
+    g.add_argument("--json", default=None, help="with --benchmark: write the results here")
+    g.add_argument("--plot", default=None, help="with --benchmark: write a PNG of step times here")
     g.add_argument("--crash-at-step", type=int, default=-1, help="demo: SIGKILL the last rank at this step, first attempt only")
     args = p.parse_args(argv)
     for name in ("batch_size", "grad_accum", "seq_len", "max_steps", "ckpt_every", "keep_checkpoints", "log_every",
-                 "n_layer", "n_embd", "n_head", "stdlib_files"):
+                 "n_layer", "n_embd", "n_head", "stdlib_files", "bench_steps", "bench_warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.bucket_cap_mb <= 0 or args.lr <= 0 or args.timeout_s <= 0 or args.warmup_steps < 0:

@@ -109,3 +109,18 @@ def test_bad_input_is_one_clear_line(tiny_models, nproc, args, message):
     assert not res.timed_out and res.returncode != 0, res.output
     errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], res.output
+
+
+def test_benchmark_emits_json_and_plot(tmp_path):
+    out, png = tmp_path / "ddp.json", tmp_path / "ddp.png"
+    res = launch.torchrun(SCRIPT, 2, TINY + ["--benchmark", "--bench-steps", "3", "--bench-warmup", "1",
+                                             "--json", out, "--plot", png], timeout=180)
+    assert res.returncode == 0 and res.ok_line(), res.output
+    import json
+    report = json.loads(out.read_text())
+    assert report["world_size"] == 2 and report["backend"] == "gloo"
+    assert set(report["impls"]) == {"manual", "naive", "torch", "none"}
+    for r in report["impls"].values():
+        assert r["step_ms_p25"] <= r["step_ms"] <= r["step_ms_p75"] and r["peak_mem_mb"] >= 0
+        assert r["ratio_to_torch"] == pytest.approx(r["step_ms"] / report["impls"]["torch"]["step_ms"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
