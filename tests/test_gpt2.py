@@ -123,4 +123,8 @@ def test_benchmark_emits_json_and_plot(tmp_path):
     for r in report["impls"].values():
         assert r["step_ms_p25"] <= r["step_ms"] <= r["step_ms_p75"] and r["peak_mem_mb"] >= 0
         assert r["ratio_to_torch"] == pytest.approx(r["step_ms"] / report["impls"]["torch"]["step_ms"])
+    # Exact, not timed: ManualDDP's gradients are views of its buckets, so it holds one copy where
+    # PyTorch's DDP (gradient_as_bucket_view=False) holds two, and the bare model holds one.
+    held = {k: v["grad_buffers_mb"] for k, v in report["impls"].items()}
+    assert held["manual"] == pytest.approx(held["none"]) and held["torch"] == pytest.approx(2 * held["none"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
