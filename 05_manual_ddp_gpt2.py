@@ -26,6 +26,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -206,6 +207,10 @@ class ManualDDP(nn.Module):
 
 
 # --- data: a tokenizer and a corpus that need no download ---
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit status 2."""
+
+
 def byte_tokenizer():
     """A byte-level tokenizer (256 bytes + end-of-text): nothing to download, any text encodes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -243,7 +248,7 @@ def load_texts(args, local_rank):
         if local_rank == 0:
             dist.barrier()
     if args.text_column not in ds.column_names:
-        raise ValueError(f"--text-column {args.text_column!r} not in dataset columns {ds.column_names}")
+        raise UsageError(f"--text-column {args.text_column!r} not in the dataset's columns {ds.column_names}")
     return [t for t in ds[args.text_column] if t]
 
 
@@ -270,7 +275,7 @@ class Blocks(torch.utils.data.Dataset):
 
 
 def batches_from(dataset, sampler_epoch_len, args, start_micro):
-    """Yield (micro_index, batch) forever from micro-batch ``start_micro`` on, re-shuffling every epoch.
+    """Yield this rank's micro-batches forever from micro-batch ``start_micro`` on, re-shuffling every epoch.
 
     The position is a plain counter, so a resumed run continues at exactly the batch it stopped at.
     torch's DistributedSampler yields exactly the indices of 04_sampler.py's hand-written one (see its tests).
@@ -282,15 +287,11 @@ def batches_from(dataset, sampler_epoch_len, args, start_micro):
         sampler.set_epoch(epoch)  # a new permutation each epoch, the same one on every rank
         idx = list(sampler)
         for k in range(offset, sampler_epoch_len):
-            yield micro, torch.stack([dataset[i] for i in idx[k * args.batch_size : (k + 1) * args.batch_size]])
+            yield torch.stack([dataset[i] for i in idx[k * args.batch_size : (k + 1) * args.batch_size]])
             micro += 1
 
 
 # --- model, checkpoints ---
-class UsageError(Exception):
-    """Bad input from the user: reported as one line, exit status 2."""
-
-
 def build_model(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
     if args.model:
@@ -341,11 +342,11 @@ def save_checkpoint(out, step, state, keep):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    old = sorted((d for d in os.listdir(out) if d.startswith("checkpoint-")), key=lambda d: int(d.split("-")[1]))
-    for d in old[:-keep]:
-        for name in os.listdir(os.path.join(out, d)):
-            os.remove(os.path.join(out, d, name))
-        os.rmdir(os.path.join(out, d))
+    # Prune: the newest `keep` checkpoints stay, and so does nothing a crash may have left half-written.
+    done = sorted((d for d in os.listdir(out) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()),
+                  key=lambda d: int(d.split("-")[1]))
+    for d in done[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-checkpoint-")]:
+        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
 
 
 def lr_factor(step, args):
@@ -418,7 +419,7 @@ def train(args, device, local_rank):
             torch.manual_seed(args.seed + 7919 * step + RANK)
             step_loss = torch.zeros((), device=device)
             for micro in range(args.grad_accum):
-                batch = next(batches)[1].to(device, non_blocking=True)
+                batch = next(batches).to(device, non_blocking=True)
                 # Accumulate locally on all but the last micro-batch: one all-reduce per optimizer step.
                 sync = contextlib.nullcontext() if micro == args.grad_accum - 1 else ddp.no_sync()
                 with sync:
@@ -515,7 +516,7 @@ def benchmark(args, device, local_rank):
     tok, base = build_model(args)
     data = Blocks(tokenize(load_texts(args, local_rank), tok), args.seq_len)
     feed = batches_from(data, (len(data) // WORLD) // args.batch_size, args, 0)
-    batches = [next(feed)[1].to(device) for _ in range(4)]
+    batches = [next(feed).to(device) for _ in range(4)]
     base.to(device)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     impls = ["manual", "naive", "torch", "none"]  # none: no DDP at all, each rank alone (no communication)
