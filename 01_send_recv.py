@@ -154,7 +154,7 @@ def main(args):
     sizes = [4 ** k for k in range(1, 40) if 4 ** k <= args.max_bytes]
     rows = ping_pong(device, sizes, args.iters) if RANK < 2 else []
     if RANK == 0:
-        print0(f"\n| bytes | one-way latency (us) | bandwidth (MB/s) |\n|---:|---:|---:|")
+        print0("\n| bytes | one-way latency (us) | bandwidth (MB/s) |\n|---:|---:|---:|")
         for nbytes, us, mbps in rows:
             print0(f"| {nbytes:>9,} | {us:>10.1f} | {mbps:>10.1f} |")
     dist.barrier()

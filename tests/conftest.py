@@ -17,6 +17,18 @@ def load_script(filename):
     return module
 
 
+def identical_across_ranks(tensors):
+    """In a worker under torchrun: True on every rank iff ``tensors`` are bitwise equal on all ranks."""
+    import torch
+    import torch.distributed as dist
+    flat = torch.cat([t.detach().flatten() for t in tensors])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    ok = torch.tensor([int(torch.equal(ref, flat))])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # one verdict for all, so every rank fails together
+    return bool(ok.item())
+
+
 @pytest.fixture
 def script():
     return load_script

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conftest import load_script  # noqa: E402
+from conftest import identical_across_ranks, load_script  # noqa: E402
 
 ManualDDP = load_script("05_manual_ddp_gpt2.py").ManualDDP
 RANK, WORLD = 0, 1
@@ -52,15 +52,6 @@ def loss_of(model, data, use_extra):
 
 def grads(model):
     return [p.grad.clone() for p in model.parameters()]
-
-
-def identical_across_ranks(tensors):
-    flat = torch.cat([t.flatten() for t in tensors])
-    ref = flat.clone()
-    dist.broadcast(ref, src=0)
-    ok = torch.tensor([int(torch.equal(ref, flat))])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
 
 
 def close(a, b, what):

@@ -11,19 +11,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conftest import load_script  # noqa: E402
+from conftest import identical_across_ranks, load_script  # noqa: E402
 
 ring_all_reduce = load_script("03_all_reduce.py").ring_all_reduce
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-2, torch.bfloat16: 2e-2}
-
-
-def same_on_all_ranks(t):
-    ref = t.clone()
-    dist.broadcast(ref, src=0)
-    flag = torch.tensor([int(torch.equal(ref, t))])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def main():
@@ -55,7 +47,7 @@ def main():
                         assert torch.allclose(x.double(), lib.double(), rtol=TOL[dtype], atol=TOL[dtype] * world), where
                     else:
                         assert torch.equal(x, lib), where
-                    assert same_on_all_ranks(x), f"ranks differ: {where}"
+                    assert identical_across_ranks([x]), f"ranks differ: {where}"
                     cases += 1
     empty = torch.empty(0)
     assert ring_all_reduce(empty).numel() == 0
