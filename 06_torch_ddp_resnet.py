@@ -176,6 +176,8 @@ def main(args):
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=total, pct_start=0.2)
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+    if args.precision == "fp16" and device.type == "cpu":
+        print0("note: fp16 convolutions have no fast CPU kernels (minutes per step here): use bf16 on CPU")
 
     start_epoch, ckpt_path = 0, os.path.join(args.out, "checkpoint.pt") if args.out else None
     if RANK == 0 and args.out:
