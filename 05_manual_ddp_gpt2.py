@@ -164,13 +164,14 @@ class ManualDDP(nn.Module):
         self._launch_ready()
 
     def _fill(self, bucket, i):
-        # Divide BEFORE the sum: N fp16/bf16 gradients added up could overflow where their mean would not.
         p, view = bucket.params[i], bucket.views[i]
         if p.grad is None:  # no gradient on this rank this step: it counts as zero in the mean
             view.zero_()
-        else:
-            torch.div(p.grad, self.world, out=view)
-            p.grad = view  # the bucket now holds the gradient: free autograd's separate copy at once
+        elif p.grad.data_ptr() != view.data_ptr():  # (after no_sync without zero_grad it is the view already)
+            view.copy_(p.grad)
+        # From now on the gradient IS this view of the bucket (like DDP's gradient_as_bucket_view): autograd's
+        # separate tensor is freed at once, nothing is copied back, and only one copy of the gradients exists.
+        p.grad = view
         bucket.ready[i] = True
 
     def _launch_ready(self):
@@ -178,11 +179,14 @@ class ManualDDP(nn.Module):
         # ranks issue them, and gradients may arrive in a different order on different ranks.
         while self._next < len(self.buckets) and all(self.buckets[self._next].ready):
             b = self.buckets[self._next]
+            # Divide BEFORE the sum: N fp16/bf16 gradients added up could overflow where their mean would not.
+            # One division over the whole bucket is far cheaper than one per parameter.
+            b.flat.div_(self.world)
             b.work = dist.all_reduce(b.flat, async_op=True)  # SUM of grad/N = mean; returns at once
             self._next += 1
 
     def _finish(self):
-        """End of backward: flush buckets whose gradients never came (unused parameters), wait, write back."""
+        """End of backward: flush buckets whose gradients never came (unused parameters), then wait."""
         self._queued = False
         if self.naive:  # the classic tutorial: one blocking all-reduce per parameter, after backward
             for p in self.params:
@@ -197,11 +201,7 @@ class ManualDDP(nn.Module):
                     self._fill(b, i)
         self._launch_ready()
         for b in self.buckets:
-            b.work.wait()
-            # The gradients are views of the bucket (like DDP's gradient_as_bucket_view): no copy back,
-            # and no second copy of all gradients in memory.
-            for p, view in zip(b.params, b.views):
-                p.grad = view
+            b.work.wait()  # after this, every .grad (a view of its bucket) holds the mean over ranks
             b.ready, b.work = [False] * len(b.params), None
         self._next = 0
 
