@@ -315,14 +315,19 @@ def build_model(args):
     return tok, model
 
 
+def checkpoints(out):
+    """The checkpoint-STEP directories in ``out``, oldest first."""
+    names = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()]
+    return sorted(names, key=lambda d: int(d.split("-")[1]))
+
+
 def newest_checkpoint(out):
     """Global rank 0 picks the newest complete checkpoint and tells everyone, so all ranks load the same one."""
     choice = [None]
     if RANK == 0 and out and os.path.isdir(out):
-        done = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()
-                and os.path.isfile(os.path.join(out, d, "state.pt"))]
+        done = [d for d in checkpoints(out) if os.path.isfile(os.path.join(out, d, "state.pt"))]
         if done:
-            choice[0] = os.path.join(out, max(done, key=lambda d: int(d.split("-")[1])), "state.pt")
+            choice[0] = os.path.join(out, done[-1], "state.pt")
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
 
@@ -343,9 +348,7 @@ def save_checkpoint(out, step, state, keep):
         os.fsync(f.fileno())
     os.replace(tmp, final)
     # Prune: the newest `keep` checkpoints stay, and so does nothing a crash may have left half-written.
-    done = sorted((d for d in os.listdir(out) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()),
-                  key=lambda d: int(d.split("-")[1]))
-    for d in done[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-checkpoint-")]:
+    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-checkpoint-")]:
         shutil.rmtree(os.path.join(out, d), ignore_errors=True)
 
 
