@@ -80,19 +80,30 @@ def _inbox(like, numel):
 
 
 def _exchange(send, recv, right, left, nccl):
-    """Send to the right neighbour while receiving from the left one.
+    """Send to the right neighbour while receiving from the left one; return once the receive has landed.
 
+    Returns the send still in flight: its buffer must stay untouched until it completes, but nothing else has
+    to wait for it, so the caller adds the received chunk while the last bytes of its own go out.
     On NCCL both directions must be posted together as one group (batch_isend_irecv): a rank alone in a
     blocking send would wait for a receive its neighbour has not posted yet, and so on around the ring.
     gloo runs each isend/irecv in the background by itself; there the batching wrapper only adds overhead.
     """
-    ops = ([(dist.isend, send, right)] if send.numel() else []) + ([(dist.irecv, recv, left)] if recv.numel() else [])
+    ops = ([(dist.irecv, recv, left)] if recv.numel() else []) + ([(dist.isend, send, right)] if send.numel() else [])
     if nccl and ops:
-        reqs = dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t, peer in ops])
-    else:  # with fewer elements than ranks some chunks are empty: both neighbours skip them alike
-        reqs = [op(t, peer) for op, t, peer in ops]
+        for req in dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t, peer in ops]):
+            req.wait()  # on a GPU this only orders streams; the host does not block
+        return []
+    # With fewer elements than ranks some chunks are empty: both neighbours skip them alike.
+    reqs = [op(t, peer) for op, t, peer in ops]
+    if recv.numel():
+        reqs.pop(0).wait()
+    return reqs
+
+
+def _wait(reqs):
     for req in reqs:
         req.wait()
+    reqs.clear()
 
 
 def ring_all_reduce(tensor):
@@ -107,16 +118,20 @@ def ring_all_reduce(tensor):
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     chunks = flat.tensor_split(world)  # N views; sizes differ by at most one element, chunk 0 the largest
     right, left, nccl = (rank + 1) % world, (rank - 1) % world, dist.get_backend() == "nccl"
+    sending = []  # sends still draining
     # Reduce-scatter. In step s, rank r sends chunk r-s and receives chunk r-s-1, adding it to its own.
     # After N-1 steps rank r holds the complete sum of chunk r+1: it is that chunk's owner.
+    # No step writes to a chunk an earlier step sent, so the sends need not finish before the next step.
     for s in range(world - 1):
         mine, theirs = chunks[(rank - s) % world], chunks[(rank - s - 1) % world]
         inbox = _inbox(flat, theirs.numel())
-        _exchange(mine, inbox, right, left, nccl)
+        sending += _exchange(mine, inbox, right, left, nccl)
         theirs += inbox
+    _wait(sending)  # the all-gather overwrites the very chunks the reduce-scatter sent
     # All-gather. The owners pass finished chunks on; receivers overwrite (no addition), so the bits match.
     for s in range(world - 1):
-        _exchange(chunks[(rank + 1 - s) % world], chunks[(rank - s) % world], right, left, nccl)
+        sending += _exchange(chunks[(rank + 1 - s) % world], chunks[(rank - s) % world], right, left, nccl)
+    _wait(sending)  # the caller may write to the tensor as soon as we return
     if flat.data_ptr() != tensor.data_ptr():  # we worked on a contiguous copy: write it back
         tensor.copy_(flat.view_as(tensor))
     return tensor
@@ -185,15 +200,17 @@ def benchmark(args, device):
         x = torch.zeros(nbytes // 4, device=device)  # sums of zeros stay zero: no overflow over many calls
         # As nccl-tests do, time a run of back-to-back calls and divide: one call of a small message is shorter
         # than the clock's noise and the skew between ranks leaving the barrier.
-        calls = max(1, min(100, (16 << 20) // nbytes))
+        calls = max(1, min(20, (16 << 20) // nbytes))
         times = {name: [] for name in impls}
         for i in range(args.iters + 1):  # round 0 warms up (connections, buffers) and is not timed
-            for name, fn in impls.items():  # interleaved: ring, library, ring, ... so noise hits both alike
+            # Interleaved, and the order flips every round (ring, library, library, ring, ...): noise hits both
+            # alike, and neither always runs first after the barrier.
+            for name in (list(impls) if i % 2 else list(impls)[::-1]):
                 sync(device)
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(calls):
-                    fn(x)
+                    impls[name](x)
                 sync(device)
                 if i:
                     times[name].append((time.perf_counter() - t0) / calls)
@@ -202,19 +219,24 @@ def benchmark(args, device):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         row = {"bytes": nbytes}
         for name, ts in zip(impls, t.tolist()):
-            q1, med, q3 = statistics.quantiles(ts, n=4) if len(ts) > 1 else (ts[0],) * 3
+            q1, med, q3 = quartiles(ts)
             row.update({f"{name}_ms": med * 1e3, f"{name}_ms_p25": q1 * 1e3, f"{name}_ms_p75": q3 * 1e3,
                         f"{name}_algbw_gbps": nbytes / med / 1e9, f"{name}_busbw_gbps": nbytes / med / 1e9 * bus})
-        row["ring_over_library_busbw"] = row["ring_busbw_gbps"] / row["library_busbw_gbps"]
+        # The ratio is taken per round (the two runs of one round were seconds apart) and then the median over
+        # rounds: a slow spell of the machine slows both sides of its round and cancels out of the ratio.
+        q1, med, q3 = quartiles([lib / ring for ring, lib in zip(*t.tolist())])
+        row.update({"ring_over_library_busbw": med, "ring_over_library_busbw_p25": q1, "ring_over_library_busbw_p75": q3})
         rows.append(row)
     print0(f"\nall-reduce float32, world_size={WORLD}, backend={dist.get_backend()}, torch {torch.__version__}, "
-           f"median of {args.iters} rounds (max over ranks); busbw = algbw * 2(N-1)/N")
-    print0("| size | ring ms (p25-p75) | library ms (p25-p75) | ring busbw GB/s | library busbw GB/s | ring/library |")
+           f"median of {args.iters} rounds (max over ranks); busbw = algbw * 2(N-1)/N; "
+           f"ring/library = median of the per-round busbw ratios")
+    print0("| size | ring ms (p25-p75) | library ms (p25-p75) | ring busbw GB/s | library busbw GB/s | ring/library (p25-p75) |")
     print0("|---:|---:|---:|---:|---:|---:|")
     spread = lambda r, n: f"{r[n + '_ms']:8.3f} ({r[n + '_ms_p25']:.3f}-{r[n + '_ms_p75']:.3f})"  # noqa: E731
     for r in rows:
         print0(f"| {human(r['bytes']):>7} | {spread(r, 'ring')} | {spread(r, 'library')} | {r['ring_busbw_gbps']:7.3f} "
-               f"| {r['library_busbw_gbps']:7.3f} | {r['ring_over_library_busbw']:5.2f} |")
+               f"| {r['library_busbw_gbps']:7.3f} | {r['ring_over_library_busbw']:5.2f} ({r['ring_over_library_busbw_p25']:.2f}-"
+               f"{r['ring_over_library_busbw_p75']:.2f}) |")
     if RANK == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump({"world_size": WORLD, "backend": dist.get_backend(), "device": device.type,
@@ -224,6 +246,11 @@ def benchmark(args, device):
         plot(rows, args.plot)
         print0(f"wrote {args.plot}")
     return rows
+
+
+def quartiles(xs):
+    """(p25, median, p75) of a list of timings or ratios."""
+    return statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0],) * 3
 
 
 def human(nbytes):
@@ -273,7 +300,7 @@ if __name__ == "__main__":
     p.add_argument("--benchmark", action="store_true", help="time ring_all_reduce vs dist.all_reduce per size")
     p.add_argument("--min-bytes", type=int, default=1 << 10, help="smallest benchmark message")
     p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest benchmark message")
-    p.add_argument("--iters", type=int, default=20, help="timed rounds per size and implementation")
+    p.add_argument("--iters", type=int, default=100, help="timed rounds per size and implementation")
     p.add_argument("--json", default=None, help="with --benchmark: write the results to this JSON file")
     p.add_argument("--plot", default=None, help="with --benchmark: write busbw vs size to this PNG")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if available")

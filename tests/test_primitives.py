@@ -103,4 +103,5 @@ def test_all_reduce_benchmark_emits_json_and_plot(tmp_path):
             assert row[key] > 0
         # busbw = algbw * 2(N-1)/N, which is 1 for N=2
         assert row["ring_busbw_gbps"] == pytest.approx(row["ring_algbw_gbps"])
+        assert row["ring_over_library_busbw_p25"] <= row["ring_over_library_busbw"] <= row["ring_over_library_busbw_p75"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
