@@ -22,6 +22,7 @@ Run it (the default trains a small GPT-2 offline on Python's own standard librar
 import argparse
 import contextlib
 import copy
+import functools
 import glob
 import json
 import math
@@ -86,6 +87,7 @@ class _Bucket:
         self.flat = torch.zeros(sum(self.numels), dtype=params[0].dtype, device=params[0].device)
         self.views = [v.view_as(p) for v, p in zip(self.flat.split(self.numels), params)]
         self.ready = [False] * len(params)
+        self.pending = len(params)  # gradients still to come this backward; 0 = ready to all-reduce
         self.work = None
 
 
@@ -121,10 +123,12 @@ class ManualDDP(nn.Module):
             cur.append(p)
         if cur:
             self.buckets.append(_Bucket(cur))
-        self._where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.require_sync, self._queued, self._next = True, False, 0
-        for p in self.params:
+        for p in self.params if naive else []:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        for b in self.buckets:  # each hook knows its bucket and slot: no lookup per gradient
+            for i, p in enumerate(b.params):
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b, i))
 
     def _check_identical(self, state):
         differs = torch.zeros(1, device=state[0].device)
@@ -150,8 +154,8 @@ class ManualDDP(nn.Module):
         finally:
             self.require_sync = before
 
-    def _on_grad_ready(self, p):
-        """Runs inside backward, right after p.grad has been accumulated."""
+    def _on_grad_ready(self, *where):
+        """Runs inside backward, right after a parameter's .grad has been accumulated (where = bucket, slot, p)."""
         if not self.require_sync:
             return
         if not self._queued:  # first gradient of this backward: run _finish once the whole backward is done
@@ -159,29 +163,33 @@ class ManualDDP(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         if self.naive:
             return
-        bucket, i = self._where[p]
+        bucket, i, _ = where
         self._fill(bucket, i)
-        self._launch_ready()
+        if bucket.pending == 0:
+            self._launch_ready()
 
     def _fill(self, bucket, i):
         p, view = bucket.params[i], bucket.views[i]
+        # Divide BEFORE the sum: N fp16/bf16 gradients added up could overflow where their mean would not.
+        # Scaling by 1/N while copying into the bucket reads the gradient once (a multiply is also cheaper than
+        # a division); PyTorch's DDP does the same.
         if p.grad is None:  # no gradient on this rank this step: it counts as zero in the mean
             view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():  # (after no_sync without zero_grad it is the view already)
-            view.copy_(p.grad)
+        elif p.grad.data_ptr() == view.data_ptr():  # accumulated in place (no_sync, then no zero_grad)
+            view.mul_(1 / self.world)
+        else:
+            torch.mul(p.grad, 1 / self.world, out=view)
         # From now on the gradient IS this view of the bucket (like DDP's gradient_as_bucket_view): autograd's
         # separate tensor is freed at once, nothing is copied back, and only one copy of the gradients exists.
         p.grad = view
         bucket.ready[i] = True
+        bucket.pending -= 1
 
     def _launch_ready(self):
         # Launch strictly in bucket order, on every rank alike: collectives are matched by the order in which
         # ranks issue them, and gradients may arrive in a different order on different ranks.
-        while self._next < len(self.buckets) and all(self.buckets[self._next].ready):
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             b = self.buckets[self._next]
-            # Divide BEFORE the sum: N fp16/bf16 gradients added up could overflow where their mean would not.
-            # One division over the whole bucket is far cheaper than one per parameter.
-            b.flat.div_(self.world)
             b.work = dist.all_reduce(b.flat, async_op=True)  # SUM of grad/N = mean; returns at once
             self._next += 1
 
@@ -202,7 +210,7 @@ class ManualDDP(nn.Module):
         self._launch_ready()
         for b in self.buckets:
             b.work.wait()  # after this, every .grad (a view of its bucket) holds the mean over ranks
-            b.ready, b.work = [False] * len(b.params), None
+            b.ready, b.pending, b.work = [False] * len(b.params), len(b.params), None
         self._next = 0
 
 
@@ -496,7 +504,7 @@ def finish(args, tok, model, device, first_loss, last_loss):
 
 # --- benchmark: the same model and data through each implementation, interleaved ---
 def _peak_mb(fn, device):
-    """Peak memory (MiB) that fn() adds: the CUDA allocator's peak on GPU, the peak resident set on CPU."""
+    """Peak memory (MiB) that fn() adds: the most bytes its tensors held at any one time."""
     import gc
     gc.collect()
     if device.type == "cuda":
@@ -505,14 +513,29 @@ def _peak_mb(fn, device):
         torch.cuda.reset_peak_memory_stats(device)
         fn()
         return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    import ctypes
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back, so the next measurement starts clean
-    status = lambda key: int(next(ln for ln in open("/proc/self/status") if ln.startswith(key)).split()[1])  # noqa: E731
-    base = status("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak resident set (VmHWM) to the current one
-    fn()
-    return (status("VmHWM:") - base) / 1024
+    # On CPU there are no allocator statistics, and the resident set cannot tell (glibc reuses freed memory and
+    # keeps fragments: +-10 MiB between identical runs). The profiler records every tensor allocation and free
+    # with the running total of bytes allocated; its highest point above where it started is the peak, exactly.
+    from torch._C._profiler import _EventType
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the profiler's start/stop notes out of the output
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        node = todo.pop()
+        todo += node.children
+        if node.tag == _EventType.Allocation:  # alloc_size > 0 for an allocation, < 0 for a free
+            events.append((node.start_time_ns, node.extra_fields.total_allocated, node.extra_fields.alloc_size))
+    if not events:
+        return 0.0
+    events.sort()
+    start = events[0][1] - events[0][2]  # the running total just before fn's first allocation
+    return (max(total for _, total, _ in events) - start) / 2**20
+
+
+def quartiles(xs):
+    """(p25, median, p75) of a list of timings or ratios."""
+    return statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0],) * 3
 
 
 def benchmark(args, device, local_rank):
@@ -553,21 +576,12 @@ def benchmark(args, device, local_rank):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    # Memory first, one implementation at a time: what wrapping + optimizer + two steps add to the bare model
-    # (the least of 3 tries: the C allocator's reuse of freed memory makes single CPU readings noisy), and
-    # the gradient + bucket bytes alive at the optimizer step, which are exact.
-    peak, buffers = {}, {}
-    for k, impl in enumerate(["none"] + impls * 3):
-        probe = lambda w, o: buffers.__setitem__(impl, grad_buffers(w, o))  # noqa: E731
-        mb = _peak_mb(lambda: [step(*make(impl), b, probe) for b in batches[:2]], device)
-        if k:  # the very first measurement also pays one-time costs (thread pools, caches): discarded
-            peak[impl] = min(mb, peak.get(impl, mb))
-        dist.barrier()
-    # Then time, interleaved A B C D A B C D..., so machine noise hits all alike; warm-up rounds untimed.
+    # Time first, interleaved A B C D, B C D A, ...: noise hits all alike and none always runs first after the
+    # barrier. Warm-up rounds are untimed.
     runs = {impl: make(impl) for impl in impls}
     times = {impl: [] for impl in impls}
     for i in range(args.bench_warmup + args.bench_steps):
-        for impl in impls:
+        for impl in impls[i % len(impls):] + impls[:i % len(impls)]:
             sync()
             dist.barrier()
             t0 = time.perf_counter()
@@ -575,25 +589,40 @@ def benchmark(args, device, local_rank):
             sync()
             if i >= args.bench_warmup:
                 times[impl].append(time.perf_counter() - t0)
+    del runs
+    # Then memory, one implementation at a time: what wrapping + optimizer + two steps add to the bare model,
+    # and the gradient + bucket bytes alive at the optimizer step (exact: distinct storages).
+    peak, buffers = {}, {}
+    for k, impl in enumerate(["none"] + impls):
+        probe = lambda w, o: buffers.__setitem__(impl, grad_buffers(w, o))  # noqa: E731
+        mb = _peak_mb(lambda: (lambda w, o: [step(w, o, b, probe) for b in batches[:2]])(*make(impl)), device)
+        if k:  # the very first measurement also pays one-time costs (thread pools, caches): discarded
+            peak[impl] = mb
+        dist.barrier()
     t = torch.tensor([times[i] for i in impls], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+    t = dict(zip(impls, t.tolist()))
     res = {}
-    for impl, ts in zip(impls, t.tolist()):
-        q1, med, q3 = statistics.quantiles(ts, n=4) if len(ts) > 1 else ts * 3
-        res[impl] = {"step_ms": med * 1e3, "step_ms_p25": q1 * 1e3, "step_ms_p75": q3 * 1e3, "peak_mem_mb": peak[impl],
-                     "grad_buffers_mb": buffers[impl]}
-    for r in res.values():
-        r["ratio_to_torch"] = r["step_ms"] / res["torch"]["step_ms"]
-        r["scaling_efficiency"] = res["none"]["step_ms"] / r["step_ms"]  # same per-rank work, plus communication
+    for impl in impls:
+        q1, med, q3 = quartiles(t[impl])
+        # Ratios are taken per round (all four steps of a round ran within a second) and then the median over
+        # rounds: a slow spell of the machine slows every step of its round and cancels out of the ratio.
+        r1, ratio, r3 = quartiles([a / b for a, b in zip(t[impl], t["torch"])])
+        res[impl] = {"step_ms": med * 1e3, "step_ms_p25": q1 * 1e3, "step_ms_p75": q3 * 1e3,
+                     "ratio_to_torch": ratio, "ratio_to_torch_p25": r1, "ratio_to_torch_p75": r3,
+                     # none does the same per-rank work without communicating
+                     "scaling_efficiency": quartiles([a / b for a, b in zip(t["none"], t[impl])])[1],
+                     "peak_mem_mb": peak[impl], "grad_buffers_mb": buffers[impl]}
     n_params = sum(p.numel() for p in base.parameters())
     print0(f"\nDDP step time, {WORLD} ranks, {dist.get_backend()}, {n_params / 1e6:.2f}M parameters, batch "
            f"{args.batch_size}x{args.seq_len} per rank, bucket_cap_mb={args.bucket_cap_mb}, torch {torch.__version__}; "
            f"median of {args.bench_steps} interleaved steps (max over ranks)")
-    print0("| impl | step ms (p25-p75) | vs torch DDP | scaling efficiency | peak memory MiB | grads + buckets MiB |")
+    print0("| impl | step ms (p25-p75) | vs torch DDP (p25-p75) | scaling efficiency | peak memory MiB | grads + buckets MiB |")
     print0("|---|---:|---:|---:|---:|---:|")
     for impl, r in res.items():
         print0(f"| {impl:<6} | {r['step_ms']:7.1f} ({r['step_ms_p25']:.1f}-{r['step_ms_p75']:.1f}) | "
-               f"{r['ratio_to_torch']:5.2f} | {r['scaling_efficiency']:5.2f} | {r['peak_mem_mb']:7.1f} | "
+               f"{r['ratio_to_torch']:5.2f} ({r['ratio_to_torch_p25']:.2f}-{r['ratio_to_torch_p75']:.2f}) | "
+               f"{r['scaling_efficiency']:5.2f} | {r['peak_mem_mb']:7.1f} | "
                f"{r['grad_buffers_mb']:6.2f} |")
     if RANK == 0 and args.json:
         with open(args.json, "w") as f:
@@ -669,7 +698,7 @@ def parse_args(argv=None):
     g.add_argument("--sample-tokens", type=int, default=120, help="tokens generated at the end (0: none)")
     g = p.add_argument_group("benchmark")
     g.add_argument("--benchmark", action="store_true", help="time manual, naive, torch DDP and no DDP side by side")
-    g.add_argument("--bench-steps", type=int, default=20, help="timed steps per implementation")
+    g.add_argument("--bench-steps", type=int, default=60, help="timed steps per implementation")
     g.add_argument("--bench-warmup", type=int, default=3, help="untimed steps per implementation first")
     g.add_argument("--json", default=None, help="with --benchmark: write the results here")
     g.add_argument("--plot", default=None, help="with --benchmark: write a PNG of step times here")

@@ -120,9 +120,17 @@ def test_benchmark_emits_json_and_plot(tmp_path):
     report = json.loads(out.read_text())
     assert report["world_size"] == 2 and report["backend"] == "gloo"
     assert set(report["impls"]) == {"manual", "naive", "torch", "none"}
-    for r in report["impls"].values():
-        assert r["step_ms_p25"] <= r["step_ms"] <= r["step_ms_p75"] and r["peak_mem_mb"] >= 0
-        assert r["ratio_to_torch"] == pytest.approx(r["step_ms"] / report["impls"]["torch"]["step_ms"])
+    impls = report["impls"]
+    for r in impls.values():
+        assert r["step_ms_p25"] <= r["step_ms"] <= r["step_ms_p75"] and r["peak_mem_mb"] > 0
+        assert r["ratio_to_torch_p25"] <= r["ratio_to_torch"] <= r["ratio_to_torch_p75"]
+    # Ratios are per round, so PyTorch's own is exactly 1 and no DDP scales perfectly against itself.
+    assert impls["torch"]["ratio_to_torch_p25"] == impls["torch"]["ratio_to_torch_p75"] == 1
+    assert impls["none"]["scaling_efficiency"] == 1
+    # Peak memory on CPU comes from the allocator's own bookkeeping (not the noisy resident set), so it can be
+    # compared exactly: DDP's buckets cost PyTorch's DDP memory on top of the bare model; ours no more than that.
+    assert impls["none"]["peak_mem_mb"] < impls["torch"]["peak_mem_mb"]
+    assert impls["manual"]["peak_mem_mb"] <= impls["torch"]["peak_mem_mb"]
     # Exact, not timed: ManualDDP's gradients are views of its buckets, so it holds one copy where
     # PyTorch's DDP (gradient_as_bucket_view=False) holds two, and the bare model holds one.
     held = {k: v["grad_buffers_mb"] for k, v in report["impls"].items()}
