@@ -88,16 +88,19 @@ def _exchange(send, recv, right, left, nccl):
     blocking send would wait for a receive its neighbour has not posted yet, and so on around the ring.
     gloo runs each isend/irecv in the background by itself; there the batching wrapper only adds overhead.
     """
-    ops = ([(dist.irecv, recv, left)] if recv.numel() else []) + ([(dist.isend, send, right)] if send.numel() else [])
-    if nccl and ops:
-        for req in dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t, peer in ops]):
+    if nccl:
+        ops = [dist.P2POp(op, t, peer) for op, t, peer in ((dist.isend, send, right), (dist.irecv, recv, left))
+               if t.numel()]  # with fewer elements than ranks some chunks are empty: both neighbours skip them
+        for req in dist.batch_isend_irecv(ops) if ops else []:
             req.wait()  # on a GPU this only orders streams; the host does not block
         return []
-    # With fewer elements than ranks some chunks are empty: both neighbours skip them alike.
-    reqs = [op(t, peer) for op, t, peer in ops]
+    # Which one to post first was measured on gloo (2 ranks, CPU): the send first made 64 KiB-1 MiB all-reduces
+    # 25-35% faster; the receive first made 64 MiB ones ~10% faster. So big chunks post the receive first.
+    early = dist.irecv(recv, left) if recv.numel() * recv.element_size() >= 4 << 20 else None
+    sending = [dist.isend(send, right)] if send.numel() else []
     if recv.numel():
-        reqs.pop(0).wait()
-    return reqs
+        (early or dist.irecv(recv, left)).wait()
+    return sending
 
 
 def _wait(reqs):
