@@ -124,11 +124,11 @@ class ManualDDP(nn.Module):
         if cur:
             self.buckets.append(_Bucket(cur))
         self.require_sync, self._queued, self._next = True, False, 0
-        for p in self.params if naive else []:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        for b in self.buckets:  # each hook knows its bucket and slot: no lookup per gradient
-            for i, p in enumerate(b.params):
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b, i))
+        # One hook per parameter, bound to its bucket and slot so that it needs no lookup (naive: no buckets).
+        slots = [(None, None, p) for p in self.params] if naive else [
+            (b, i, p) for b in self.buckets for i, p in enumerate(b.params)]
+        for b, i, p in slots:
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b, i))
 
     def _check_identical(self, state):
         differs = torch.zeros(1, device=state[0].device)
@@ -154,8 +154,8 @@ class ManualDDP(nn.Module):
         finally:
             self.require_sync = before
 
-    def _on_grad_ready(self, *where):
-        """Runs inside backward, right after a parameter's .grad has been accumulated (where = bucket, slot, p)."""
+    def _on_grad_ready(self, bucket, i, p):
+        """Runs inside backward, right after p.grad has been accumulated; p is slot i of bucket."""
         if not self.require_sync:
             return
         if not self._queued:  # first gradient of this backward: run _finish once the whole backward is done
@@ -163,7 +163,6 @@ class ManualDDP(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         if self.naive:
             return
-        bucket, i, _ = where
         self._fill(bucket, i)
         if bucket.pending == 0:
             self._launch_ready()
