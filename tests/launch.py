@@ -122,6 +122,35 @@ def torchrun(script, nproc, args=(), timeout=180, torchrun_args=(), **env):
     return res
 
 
+def ranks(script, nproc, args=(), timeout=120, **env):
+    """Start ``nproc`` plain processes with the environment torchrun gives its workers, but no agent.
+
+    Under torchrun a dead worker makes the agent stop the others, so what survivors print is a race; here
+    nobody stops them, and what they do is the script's own doing. Returns one Result per rank. Output goes
+    to files, not pipes, so that no rank blocks on a full pipe while we wait for another.
+    """
+    import tempfile
+    port, procs = free_port(), []
+    for r in range(nproc):
+        log = tempfile.TemporaryFile(mode="w+")
+        env_r = make_env(RANK=r, LOCAL_RANK=r, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc, MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=port, **env)
+        procs.append((subprocess.Popen([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO, env=env_r,
+                                       stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True), log))
+    deadline, results = time.time() + timeout, []
+    for proc, log in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.time()))
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            timed_out = True
+        log.seek(0)
+        results.append(Result(proc.returncode, log.read(), timed_out))
+        log.close()
+    return results
+
+
 def python(script, args=(), timeout=120, **env):
     """Run ``script`` as one plain process (no torchrun)."""
     return run([sys.executable, str(REPO / script), *map(str, args)], timeout, env=make_env(**env))

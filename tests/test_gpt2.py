@@ -1,5 +1,7 @@
 """05: ManualDDP against PyTorch's DDP, and the training script end to end (offline, gloo, 2-3 ranks)."""
 
+import signal
+
 import pytest
 import torch
 
@@ -109,6 +111,19 @@ def test_bad_input_is_one_clear_line(tiny_models, nproc, args, message):
     assert not res.timed_out and res.returncode != 0, res.output
     errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], res.output
+
+
+def test_dead_peer_is_one_clear_line():
+    """A rank SIGKILLed mid-training: the survivor's next all-reduce fails, and it says so in one line, exit 1.
+
+    Plain processes, no torchrun agent (which would stop the survivor before it notices)."""
+    survivor, dead = launch.ranks(SCRIPT, 2, TINY + ["--max-steps", "8", "--crash-at-step", "3", "--timeout-s", "60"],
+                                  timeout=120)
+    assert not survivor.timed_out and not dead.timed_out, survivor.output + dead.output
+    assert dead.returncode == -signal.SIGKILL, dead.output
+    errors = [ln for ln in survivor.output.splitlines() if "error:" in ln]
+    assert survivor.returncode == 1 and len(errors) == 1, survivor.output
+    assert errors[0].startswith("[rank 0/2] error: lost a peer") and "Traceback" not in survivor.output, survivor.output
 
 
 def test_benchmark_emits_json_and_plot(tmp_path):
