@@ -94,9 +94,9 @@ class _Bucket:
 class ManualDDP(nn.Module):
     """Data parallelism from primitives: after ``loss.backward()`` every ``.grad`` is the mean over ranks."""
 
-    def __init__(self, module, bucket_cap_mb=25, verify=False, naive=False, first_bucket_mb=1):
+    def __init__(self, module, bucket_cap_mb=None, verify=False, naive=False):
         super().__init__()
-        if not bucket_cap_mb > 0:
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.module, self.naive, self.world = module, naive, dist.get_world_size()
         state = list(module.parameters()) + list(module.buffers())
@@ -112,15 +112,20 @@ class ManualDDP(nn.Module):
         self.params = [p for p in module.parameters() if p.requires_grad]
         # Buckets in REVERSE registration order: backward produces gradients roughly from the last layer to
         # the first, so the first bucket fills first and its all-reduce can start while backward goes on.
-        # The first bucket is small (1 MiB, as in PyTorch's DDP) so that communication starts early.
-        self.buckets, cur = [], []
+        # PyTorch's sizes: by default (None) 25 MiB, but the first bucket only 1 MiB so that communication
+        # starts early; an explicit bucket_cap_mb applies to every bucket. A bucket closes once it reaches its
+        # cap, so it may exceed it by one tensor (and a tensor larger than the cap gets a bucket of its own).
+        caps = [1, 25] if bucket_cap_mb is None else [bucket_cap_mb]
+        self.buckets, cur, size = [], [], 0
         for p in reversed(self.params) if not naive else []:  # naive mode reduces .grad itself: no buckets
-            cap = min(first_bucket_mb, bucket_cap_mb) * 2**20 if not self.buckets else bucket_cap_mb * 2**20
-            if cur and (sum(q.numel() * q.element_size() for q in cur) + p.numel() * p.element_size() > cap
-                        or p.dtype != cur[0].dtype or p.device != cur[0].device):
+            if cur and (p.dtype != cur[0].dtype or p.device != cur[0].device):  # one dtype/device per bucket
                 self.buckets.append(_Bucket(cur))
-                cur = []
+                cur, size = [], 0
             cur.append(p)
+            size += p.numel() * p.element_size()
+            if size >= caps[min(len(self.buckets), len(caps) - 1)] * 2**20:
+                self.buckets.append(_Bucket(cur))
+                cur, size = [], 0
         if cur:
             self.buckets.append(_Bucket(cur))
         self.require_sync, self._queued, self._next = True, False, 0
@@ -143,7 +148,23 @@ class ManualDDP(nn.Module):
                              "identically on every rank (torch.manual_seed before building it)")
 
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and not self.naive:
+            self._grads_into_buckets()
         return self.module(*args, **kwargs)
+
+    def _grads_into_buckets(self):
+        """Make every missing .grad a zeroed view of its bucket, so that backward writes straight into it."""
+        # Autograd adds a new gradient INTO an existing .grad, in place; only a missing one (None, as after
+        # optimizer.zero_grad()) gets a fresh tensor. With .grad already a view of the bucket there is
+        # nothing to copy in and nothing to copy back (PyTorch's DDP copies in, then out again by default).
+        for b in self.buckets:
+            missing = [i for i, p in enumerate(b.params) if p.grad is None]
+            if len(missing) == len(b.params):
+                b.flat.zero_()  # the usual case: one fill for the whole bucket
+            for i in missing:
+                if len(missing) < len(b.params):
+                    b.views[i].zero_()
+                b.params[i].grad = b.views[i]
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -155,7 +176,7 @@ class ManualDDP(nn.Module):
             self.require_sync = before
 
     def _on_grad_ready(self, bucket, i, p):
-        """Runs inside backward, right after p.grad has been accumulated; p is slot i of bucket."""
+        """Runs inside backward, right after autograd added p's gradient into p.grad (slot i of bucket)."""
         if not self.require_sync:
             return
         if not self._queued:  # first gradient of this backward: run _finish once the whole backward is done
@@ -163,32 +184,33 @@ class ManualDDP(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         if self.naive:
             return
-        self._fill(bucket, i)
+        if p.grad is not bucket.views[i]:  # rare: backward did not write into the bucket (see _adopt)
+            self._adopt(bucket, i)
+        bucket.ready[i] = True
+        bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready()
 
-    def _fill(self, bucket, i):
+    def _adopt(self, bucket, i):
+        """Put p's gradient into its bucket slot and make .grad that slot again."""
+        # Only when forward did not run through this wrapper, a .grad was replaced (create_graph=True does)
+        # or a parameter got no gradient on this rank: then it counts as zero in the mean.
         p, view = bucket.params[i], bucket.views[i]
-        # Divide BEFORE the sum: N fp16/bf16 gradients added up could overflow where their mean would not.
-        # Scaling by 1/N while copying into the bucket reads the gradient once (a multiply is also cheaper than
-        # a division); PyTorch's DDP does the same.
-        if p.grad is None:  # no gradient on this rank this step: it counts as zero in the mean
+        if p.grad is None:
             view.zero_()
-        elif p.grad.data_ptr() == view.data_ptr():  # accumulated in place (no_sync, then no zero_grad)
-            view.mul_(1 / self.world)
-        else:
-            torch.mul(p.grad, 1 / self.world, out=view)
-        # From now on the gradient IS this view of the bucket (like DDP's gradient_as_bucket_view): autograd's
-        # separate tensor is freed at once, nothing is copied back, and only one copy of the gradients exists.
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
         p.grad = view
-        bucket.ready[i] = True
-        bucket.pending -= 1
 
     def _launch_ready(self):
         # Launch strictly in bucket order, on every rank alike: collectives are matched by the order in which
         # ranks issue them, and gradients may arrive in a different order on different ranks.
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             b = self.buckets[self._next]
+            # Divide BEFORE the sum: N fp16/bf16 gradients added up could overflow where their mean would not.
+            # One multiply per bucket (cheaper than a division); its data was just written, so it is in cache.
+            if self.world > 1:
+                b.flat.mul_(1 / self.world)
             b.work = dist.all_reduce(b.flat, async_op=True)  # SUM of grad/N = mean; returns at once
             self._next += 1
 
@@ -205,7 +227,8 @@ class ManualDDP(nn.Module):
         for b in self.buckets[self._next:]:
             for i, ready in enumerate(b.ready):
                 if not ready:
-                    self._fill(b, i)
+                    self._adopt(b, i)
+                    b.ready[i], b.pending = True, b.pending - 1
         self._launch_ready()
         for b in self.buckets:
             b.work.wait()  # after this, every .grad (a view of its bucket) holds the mean over ranks
@@ -578,6 +601,8 @@ def benchmark(args, device, local_rank):
     # Time first, interleaved A B C D, B C D A, ...: noise hits all alike and none always runs first after the
     # barrier. Warm-up rounds are untimed.
     runs = {impl: make(impl) for impl in impls}
+    # The same layout as PyTorch's DDP for the same bucket_cap_mb (tests/workers/ddp_worker.py checks it).
+    bucket_mb = [b.flat.numel() * b.flat.element_size() / 2**20 for b in runs["manual"][0].buckets]
     times = {impl: [] for impl in impls}
     for i in range(args.bench_warmup + args.bench_steps):
         for impl in impls[i % len(impls):] + impls[:i % len(impls)]:
@@ -617,7 +642,8 @@ def benchmark(args, device, local_rank):
                      "peak_mem_mb": peak[impl], "grad_buffers_mb": buffers[impl]}
     n_params = sum(p.numel() for p in base.parameters())
     print0(f"\nDDP step time, {WORLD} ranks, {dist.get_backend()}, {n_params / 1e6:.2f}M parameters, batch "
-           f"{args.batch_size}x{args.seq_len} per rank, bucket_cap_mb={args.bucket_cap_mb}, torch {torch.__version__}; "
+           f"{args.batch_size}x{args.seq_len} per rank, buckets of {' + '.join(f'{b:.2f}' for b in bucket_mb)} MiB "
+           f"(bucket_cap_mb={args.bucket_cap_mb}), torch {torch.__version__}; "
            f"median of {args.bench_steps} interleaved steps (max over ranks)")
     print0("| impl | step ms (p25-p75) | vs torch DDP (p25-p75) | scaling efficiency | peak memory MiB | grads + buckets MiB |")
     print0("|---|---:|---:|---:|---:|---:|")
@@ -629,7 +655,8 @@ def benchmark(args, device, local_rank):
     if RANK == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump({"world_size": WORLD, "backend": dist.get_backend(), "device": device.type,
-                       "torch": torch.__version__, "parameters": n_params, "impls": res}, f, indent=1)
+                       "torch": torch.__version__, "parameters": n_params, "bucket_cap_mb": args.bucket_cap_mb,
+                       "buckets_mb": bucket_mb, "impls": res}, f, indent=1)
         print0(f"wrote {args.json}")
     if RANK == 0 and args.plot:
         import matplotlib
@@ -686,7 +713,8 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=0, help="model init (same on all ranks) and data order")
     g = p.add_argument_group("DDP")
     g.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual", help="whose DDP")
-    g.add_argument("--bucket-cap-mb", type=float, default=25, help="gradient bucket size")
+    g.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="gradient bucket size (default: PyTorch's, 25 MiB with a 1 MiB first bucket)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if available")
     g.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on cuda, gloo on cpu")
     g.add_argument("--timeout-s", type=float, default=300, help="process-group timeout: a dead peer fails, not hangs")
@@ -710,7 +738,7 @@ def parse_args(argv=None):
                  "n_layer", "n_embd", "n_head", "stdlib_files", "bench_steps", "bench_warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.bucket_cap_mb <= 0 or args.lr <= 0 or args.timeout_s <= 0 or args.warmup_steps < 0:
+    if (args.bucket_cap_mb is not None and args.bucket_cap_mb <= 0) or args.lr <= 0 or args.timeout_s <= 0 or args.warmup_steps < 0:
         p.error("--bucket-cap-mb, --lr and --timeout-s must be > 0, --warmup-steps >= 0")
     if args.n_embd % args.n_head:
         p.error("--n-embd must be divisible by --n-head")

@@ -150,4 +150,6 @@ def test_benchmark_emits_json_and_plot(tmp_path):
     # PyTorch's DDP (gradient_as_bucket_view=False) holds two, and the bare model holds one.
     held = {k: v["grad_buffers_mb"] for k, v in report["impls"].items()}
     assert held["manual"] == pytest.approx(held["none"]) and held["torch"] == pytest.approx(2 * held["none"])
+    # The buckets reported hold every gradient once (their layout equals PyTorch's: see ddp_worker.py).
+    assert sum(report["buckets_mb"]) == pytest.approx(held["none"]) and report["bucket_cap_mb"] is None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

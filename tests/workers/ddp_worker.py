@@ -63,10 +63,10 @@ def check_training(steps=4):
     torch.manual_seed(0)
     base = Tiny()
     ref, ours, naive, theirs = (copy.deepcopy(base) for _ in range(4))
-    manual = ManualDDP(ours, bucket_cap_mb=0.001)  # ~1 KB buckets: many of them
-    assert len(manual.buckets) >= 5, len(manual.buckets)
+    manual = ManualDDP(ours, bucket_cap_mb=0.00005)  # 52-byte cap: every tensor gets a bucket of its own
+    assert len(manual.buckets) == len(list(ours.parameters())), len(manual.buckets)
     naive_ddp = ManualDDP(naive, naive=True)
-    torch_ddp = nn.parallel.DistributedDataParallel(theirs, bucket_cap_mb=0.001, find_unused_parameters=True)
+    torch_ddp = nn.parallel.DistributedDataParallel(theirs, bucket_cap_mb=0.00005, find_unused_parameters=True)
     opts = {name: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for name, m in
             [("ref", ref), ("manual", ours), ("naive", naive), ("torch", theirs)]}
     launched_early = []
@@ -92,6 +92,31 @@ def check_training(steps=4):
     # from the backward hooks, while backward was still running.
     assert min(launched_early) >= 1, launched_early
     return len(manual.buckets)
+
+
+def check_bucket_layout():
+    """ManualDDP packs exactly the buckets PyTorch's DDP ends up with, for its default and explicit caps."""
+    torch.manual_seed(2)
+    # Gradients arrive in reverse registration order here, as in GPT-2; PyTorch's DDP rebuilds its buckets
+    # in arrival order after the first iteration, ManualDDP uses reverse registration order from the start.
+    dims = (512, 256, 512, 384, 512, 128)  # 0.25-0.75 MiB layers: the 1 MiB first bucket holds some, not all
+    base = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(dims, dims[1:])])
+    for cap in (None, 0.5, 2):
+        ours = ManualDDP(copy.deepcopy(base), bucket_cap_mb=cap)
+        theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap)
+        sizes = {}
+
+        def record(state, bucket):  # a comm hook sees each bucket's flat buffer
+            sizes[bucket.index()] = bucket.buffer().numel() * bucket.buffer().element_size()
+            return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+        theirs.register_comm_hook(None, record)
+        for _ in range(3):  # PyTorch's DDP settles its buckets after the first iteration
+            sizes.clear()
+            for model in (ours, theirs):
+                model(torch.randn(4, 512)).square().mean().backward()
+        mine = [b.flat.numel() * b.flat.element_size() for b in ours.buckets]
+        assert mine == [sizes[i] for i in range(len(sizes))], (cap, mine, sizes)
+    return mine
 
 
 def check_no_sync(k=3):
@@ -137,6 +162,7 @@ def main():
     dist.init_process_group("gloo")
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
     n = check_training()
+    check_bucket_layout()
     check_no_sync()
     check_construction()
     dist.barrier()
