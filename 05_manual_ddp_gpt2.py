@@ -598,14 +598,16 @@ def benchmark(args, device, local_rank):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    # Time first, interleaved A B C D, B C D A, ...: noise hits all alike and none always runs first after the
-    # barrier. Warm-up rounds are untimed.
+    # Time first, interleaved: noise hits all alike. The order changes every round (A B D C, B C A D, C D B A,
+    # D A C B: a Williams square), so each runs first once in four rounds and follows each of the others once;
+    # with a plain rotation A always followed D, whose leftovers (caches, gloo threads) could favour or
+    # handicap A every time. Warm-up rounds are untimed.
     runs = {impl: make(impl) for impl in impls}
     # The same layout as PyTorch's DDP for the same bucket_cap_mb (tests/workers/ddp_worker.py checks it).
     bucket_mb = [b.flat.numel() * b.flat.element_size() / 2**20 for b in runs["manual"][0].buckets]
     times = {impl: [] for impl in impls}
     for i in range(args.bench_warmup + args.bench_steps):
-        for impl in impls[i % len(impls):] + impls[:i % len(impls)]:
+        for impl in [impls[(j + i) % 4] for j in (0, 1, 3, 2)]:
             sync()
             dist.barrier()
             t0 = time.perf_counter()
