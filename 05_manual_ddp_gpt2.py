@@ -687,6 +687,9 @@ def main(args):
     else:
         tok, model, first, last = train(args, device, local_rank)
         finish(args, tok, model, device, first, last)
+    # Leave together: rank 0 still writes files while the others would already be tearing down their
+    # connections (one such benchmark run ended with a SIGABRT in a rank's shutdown).
+    dist.barrier()
     teardown()
 
 
