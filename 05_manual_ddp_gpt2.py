@@ -161,9 +161,10 @@ class ManualDDP(nn.Module):
             missing = [i for i, p in enumerate(b.params) if p.grad is None]
             if len(missing) == len(b.params):
                 b.flat.zero_()  # the usual case: one fill for the whole bucket
-            for i in missing:
-                if len(missing) < len(b.params):
+            else:  # only some were set to None: keep the gradients the others hold
+                for i in missing:
                     b.views[i].zero_()
+            for i in missing:
                 b.params[i].grad = b.views[i]
 
     @contextlib.contextmanager
@@ -743,7 +744,8 @@ def parse_args(argv=None):
                  "n_layer", "n_embd", "n_head", "stdlib_files", "bench_steps", "bench_warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if (args.bucket_cap_mb is not None and args.bucket_cap_mb <= 0) or args.lr <= 0 or args.timeout_s <= 0 or args.warmup_steps < 0:
+    bad_cap = args.bucket_cap_mb is not None and args.bucket_cap_mb <= 0
+    if bad_cap or args.lr <= 0 or args.timeout_s <= 0 or args.warmup_steps < 0:
         p.error("--bucket-cap-mb, --lr and --timeout-s must be > 0, --warmup-steps >= 0")
     if args.n_embd % args.n_head:
         p.error("--n-embd must be divisible by --n-head")

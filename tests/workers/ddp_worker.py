@@ -116,7 +116,6 @@ def check_bucket_layout():
                 model(torch.randn(4, 512)).square().mean().backward()
         mine = [b.flat.numel() * b.flat.element_size() for b in ours.buckets]
         assert mine == [sizes[i] for i in range(len(sizes))], (cap, mine, sizes)
-    return mine
 
 
 def check_no_sync(k=3):
@@ -139,6 +138,19 @@ def check_no_sync(k=3):
     loss = sum(loss_of(ref, shard(9, r, m), r == 0) for r in range(WORLD) for m in range(k)) / (k * WORLD)
     loss.backward()
     close(grads(ours), grads(ref), "no_sync accumulation vs large batch")
+
+
+def check_forward_bypassed():
+    """A backward whose forward did not go through ManualDDP (no .grad in the buckets yet) is still averaged."""
+    torch.manual_seed(3)
+    ref, ours = Tiny(), Tiny()
+    ours.load_state_dict(ref.state_dict())
+    manual = ManualDDP(ours, bucket_cap_mb=0.002)
+    loss_of(manual.module, shard(5, RANK), True).backward()  # autograd makes fresh .grad tensors: copied in
+    (sum(loss_of(ref, shard(5, r), True) for r in range(WORLD)) / WORLD).backward()
+    close(grads(ours), grads(ref), "backward around the wrapper's forward vs single process")
+    views = [v.data_ptr() for b in manual.buckets for v in b.views]
+    assert sorted(p.grad.data_ptr() for p in ours.parameters()) == sorted(views), "grads are not bucket views"
 
 
 def check_construction():
@@ -164,6 +176,7 @@ def main():
     n = check_training()
     check_bucket_layout()
     check_no_sync()
+    check_forward_bypassed()
     check_construction()
     dist.barrier()
     if RANK == 0:
