@@ -1,13 +1,14 @@
-"""01 - Point-to-point messages: the only thing every collective is built from.
+"""01 - Point-to-point messages: who is who in a job, and the only thing every collective is built from.
 
 What it teaches, in order:
+  0. who am I: each rank's global rank, local rank, node, world size and device, and the same ranks named as a
+     grid (nodes x ranks per node) by a DeviceMesh;
   1. blocking send/recv: rank 0 hands every other rank its own tensor;
-  2. non-blocking isend/irecv: every rank sends to rank 0 at once, which overlaps the waiting with work,
-     checked equal to the library's dist.gather;
-  3. a token passed around a ring of all ranks (sequential), then a ring shift where every rank sends and
-     receives at the same time (batch_isend_irecv: posting both sides together is what keeps NCCL from
-     deadlocking);
-  4. a ping-pong between ranks 0 and 1: latency and bandwidth per message size.
+  2. non-blocking isend/irecv: every rank sends to rank 0 at once, overlapping the wait with work; checked equal
+     to the library's dist.gather;
+  3. a token passed around a ring (one hop at a time), then a ring shift where every rank sends and receives at
+     once (batch_isend_irecv: posting both sides together is what keeps NCCL from deadlocking).
+Latency and bandwidth per message size: benchmarks/send_recv.py.
 
 Run it (any N >= 2):
   CPU:      torchrun --nproc_per_node=2 01_send_recv.py
@@ -17,15 +18,21 @@ Run it (any N >= 2):
 
 import argparse
 import os
+import socket
 import sys
-import time
+import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
-# --- distributed setup (the same block in every script: copied, not imported, so each file runs alone) ---
+# --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
 RANK, WORLD = 0, 1
+
+
+class UsageError(Exception):
+    """Bad input: one line on rank 0 (`error: ...`), exit status 2, no traceback."""
 
 
 def print0(*msg):
@@ -36,69 +43,108 @@ def print0(*msg):
 
 def log(*msg):
     """A per-rank line, tagged so interleaved output stays readable."""
-    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)  # one write: no interleaving
+    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)
+
+
+def parser(doc, timeout_s=120):
+    """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def error(message):
+        raise UsageError(message)
+    p.error = error
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if each local rank has a GPU")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if each rank has a GPU, else gloo")
+    p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
+    return p
+
+
+def choose_device(device, backend, n_gpus, local_rank, local_world):
+    """(device, backend, note) for this rank, from the flags and this node's GPUs, before any process group.
+    NCCL needs a GPU of its own for every rank; gloo runs on the CPU and can also share GPUs between ranks."""
+    if device == "cpu" or (device == "auto" and n_gpus == 0):
+        if backend == "nccl":
+            raise UsageError("--backend nccl runs on CUDA GPUs only: use gloo on the CPU")
+        return torch.device("cpu"), "gloo", None
+    if n_gpus == 0:
+        raise UsageError("--device cuda, but this node has no CUDA GPU: use --device cpu")
+    if n_gpus >= local_world:  # the usual GPU setup: local rank r takes cuda:r
+        return torch.device("cuda", local_rank), backend or "nccl", None
+    fix = f"start --nproc_per_node={n_gpus}, or share the GPU(s) over gloo with --device cuda --backend gloo"
+    if backend == "nccl":  # NCCL refuses two ranks on one GPU
+        raise UsageError(f"nccl needs one GPU per rank, but this node has {n_gpus} for {local_world} ranks: {fix}")
+    if device == "auto":
+        return torch.device("cpu"), "gloo", f"{n_gpus} GPU(s) for {local_world} ranks here, so CPU and gloo; {fix}"
+    return torch.device("cuda", local_rank % n_gpus), "gloo", f"{local_world} ranks share {n_gpus} GPU(s) over gloo"
 
 
 def setup(args, min_world=2):
-    """Join the process group. Global RANK names the process; LOCAL_RANK picks its GPU on this node."""
+    """Choose the device, then join the process group. Global RANK names a process; LOCAL_RANK picks its GPU."""
     global RANK, WORLD
-    if "RANK" not in os.environ:
-        sys.exit(f"error: launch with torchrun, e.g. torchrun --nproc_per_node=2 {os.path.basename(__file__)}")
-    RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "RANK" not in os.environ and min_world > 1:
+        raise UsageError(f"launch with torchrun, e.g. torchrun --nproc_per_node={min_world} {sys.argv[0]}")
+    RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if WORLD < min_world:
-        sys.exit(f"error: needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        sys.exit("error: --device cuda but CUDA is not available")
-    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if use_cuda else "cpu")
-    backend = args.backend or ("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(device)  # before init, so NCCL binds this rank to its own GPU
+        raise UsageError(f"needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
+    if args.timeout_s <= 0:
+        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
+    device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if note:
+        print0(f"note: {note}")
+    if device.type == "cuda":  # before init, so NCCL binds this rank to its GPU (not device_id=: pytorch#153960)
+        torch.cuda.set_device(device)
     # A timeout turns a dead peer into an error after --timeout-s instead of a silent 30-minute hang.
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s),
-                            device_id=device if backend == "nccl" else None)
+    kw = dict(backend=backend, timeout=timedelta(seconds=args.timeout_s))
+    if "RANK" not in os.environ:  # plain `python`: a group of one, in memory, so the same code runs
+        kw.update(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(**kw)
     return device
 
 
-def teardown():
+def run(main, parse_args):
+    """Bad input: one line on rank 0, exit 2. A peer that died or timed out: one line per survivor, exit 1."""
+    code = 0
+    try:
+        main(parse_args())
+    except UsageError as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank stops alike; one says why
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except RuntimeError as e:  # NCCL raises DistError; gloo, RuntimeErrors from torch.distributed or its transport
+        where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
+        if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
+            raise  # a bug in this rank's own code keeps its traceback
+        log(f"error: lost a peer ({text.strip().splitlines()[0][:160]})")
+        os._exit(1)  # no teardown: it would wait for the dead peer
     if dist.is_initialized():
         dist.destroy_process_group()
+    sys.exit(code)
 
 
 # --- the idea: point-to-point messages ---
-def sync(device):
-    """GPU work is asynchronous: wait for it before reading a clock."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def ping_pong(device, sizes, iters):
-    """Rank 0 sends n bytes to rank 1 and waits for them back. One-way time = round trip / 2."""
-    rows = []
-    for nbytes in sizes:
-        buf = torch.arange(nbytes, dtype=torch.uint8, device=device)
-        sent = buf.clone()
-        reps = max(3, iters if nbytes <= 1 << 16 else iters // 5)
-        for i in range(reps + 2):  # the first two round trips warm up the connection, untimed
-            if i == 2:
-                sync(device)
-                t0 = time.perf_counter()
-            if RANK == 0:
-                dist.send(buf, dst=1)
-                dist.recv(buf, src=1)
-            elif RANK == 1:
-                dist.recv(buf, src=0)
-                dist.send(buf, dst=0)
-        sync(device)
-        one_way = (time.perf_counter() - t0) / reps / 2
-        assert torch.equal(buf, sent), f"ping-pong corrupted a {nbytes}-byte message"
-        rows.append((nbytes, one_way * 1e6, nbytes / one_way / 1e6))
-    return rows
+def who_am_i(device):
+    """Global rank names a process in the whole job; local rank names it on its node (and picks its GPU)."""
+    me = (RANK, int(os.environ.get("LOCAL_RANK", 0)), f"{os.environ.get('GROUP_RANK', 0)} ({socket.gethostname()})",
+          WORLD, str(device))
+    table = [None] * WORLD
+    dist.all_gather_object(table, me)  # every rank's row, on every rank
+    print0("| global rank | local rank | node | world size | device |\n|---:|---:|---|---:|---|")
+    for row in table:
+        print0("| " + " | ".join(map(str, row)) + " |")
+    # The same ranks as a grid: one row per node, one column per local rank. Parallelisms beyond data
+    # parallel (tensor, pipeline, FSDP's hybrid sharding) are laid out on such a mesh, one dimension each.
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", WORLD))
+    mesh = init_device_mesh(device.type, (WORLD // per_node, per_node), mesh_dim_names=("node", "local"))
+    print0(f"mesh: {mesh}")
+    log(f"my (node, local) coordinate in the mesh: {tuple(mesh.get_coordinate())}")
 
 
 def main(args):
     device = setup(args)
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} torch={torch.__version__}")
+    who_am_i(device)
 
     # 1. Blocking: each call returns only when the message is handed over, so the order of calls matters.
     if RANK == 0:
@@ -150,26 +196,16 @@ def main(args):
     assert torch.equal(recv, torch.full((3,), float(left), device=device))
     log(f"ring shift: got {recv[0].item():.0f} from rank {left}")
 
-    # 4. Ping-pong between 0 and 1; other ranks just wait at the barrier.
-    sizes = [4 ** k for k in range(1, 40) if 4 ** k <= args.max_bytes]
-    rows = ping_pong(device, sizes, args.iters) if RANK < 2 else []
-    if RANK == 0:
-        print0("\n| bytes | one-way latency (us) | bandwidth (MB/s) |\n|---:|---:|---:|")
-        for nbytes, us, mbps in rows:
-            print0(f"| {nbytes:>9,} | {us:>10.1f} | {mbps:>10.1f} |")
-    dist.barrier()
-    print0(f"\nOK send/recv, isend/irecv, token ring, ring shift and ping-pong checked on {WORLD} ranks")
-    teardown()
+    # Every rank reports in, so the OK below speaks for all of them.
+    done = torch.ones(1, device=device)
+    dist.all_reduce(done)
+    assert done.item() == WORLD
+    print0(f"OK send/recv, isend/irecv, token ring and ring shift checked on {WORLD} ranks")
+
+
+def parse_args():
+    return parser(__doc__).parse_args()
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--max-bytes", type=int, default=4 << 20, help="largest ping-pong message")
-    p.add_argument("--iters", type=int, default=50, help="round trips per small message size")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if available")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on cuda, gloo on cpu")
-    p.add_argument("--timeout-s", type=float, default=120, help="process-group timeout: a dead peer fails, not hangs")
-    a = p.parse_args()
-    if a.max_bytes < 4 or a.iters < 1 or a.timeout_s <= 0:
-        p.error("--max-bytes must be >= 4, --iters >= 1 and --timeout-s > 0")
-    main(a)
+    run(main, parse_args)

@@ -5,30 +5,31 @@ What it teaches, in order:
   2. ring_all_reduce(): the bandwidth-optimal ring by hand. A reduce-scatter (N-1 steps: each rank ends
      owning the full sum of one chunk) then an all-gather (N-1 steps: the owned chunks go round). Each rank
      sends 2(N-1)/N of the data whatever N is, which is why rings scale. Checked against dist.all_reduce;
-  3. gradient averaging with it: SUM then divide by N equals one process on the whole batch;
-  4. --benchmark: time, algbw and busbw per message size, ring vs dist.all_reduce.
+  3. gradient averaging with it: SUM then divide by N equals one process on the whole batch.
+Its speed against dist.all_reduce, size by size: benchmarks/all_reduce.py.
 
 Run it (any N >= 2):
   CPU:        torchrun --nproc_per_node=2 03_all_reduce.py
-  benchmark:  torchrun --nproc_per_node=2 03_all_reduce.py --benchmark --json allreduce.json --plot allreduce.png
   N GPUs:     torchrun --nproc_per_node=N 03_all_reduce.py        (nccl, one GPU per rank)
   2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 03_all_reduce.py
 """
 
 import argparse
-import json
 import math
 import os
-import statistics
 import sys
-import time
+import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-# --- distributed setup (the same block in every script: copied, not imported, so each file runs alone) ---
+# --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
 RANK, WORLD = 0, 1
+
+
+class UsageError(Exception):
+    """Bad input: one line on rank 0 (`error: ...`), exit status 2, no traceback."""
 
 
 def print0(*msg):
@@ -39,33 +40,84 @@ def print0(*msg):
 
 def log(*msg):
     """A per-rank line, tagged so interleaved output stays readable."""
-    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)  # one write: no interleaving
+    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)
+
+
+def parser(doc, timeout_s=120):
+    """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def error(message):
+        raise UsageError(message)
+    p.error = error
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if each local rank has a GPU")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if each rank has a GPU, else gloo")
+    p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
+    return p
+
+
+def choose_device(device, backend, n_gpus, local_rank, local_world):
+    """(device, backend, note) for this rank, from the flags and this node's GPUs, before any process group.
+    NCCL needs a GPU of its own for every rank; gloo runs on the CPU and can also share GPUs between ranks."""
+    if device == "cpu" or (device == "auto" and n_gpus == 0):
+        if backend == "nccl":
+            raise UsageError("--backend nccl runs on CUDA GPUs only: use gloo on the CPU")
+        return torch.device("cpu"), "gloo", None
+    if n_gpus == 0:
+        raise UsageError("--device cuda, but this node has no CUDA GPU: use --device cpu")
+    if n_gpus >= local_world:  # the usual GPU setup: local rank r takes cuda:r
+        return torch.device("cuda", local_rank), backend or "nccl", None
+    fix = f"start --nproc_per_node={n_gpus}, or share the GPU(s) over gloo with --device cuda --backend gloo"
+    if backend == "nccl":  # NCCL refuses two ranks on one GPU
+        raise UsageError(f"nccl needs one GPU per rank, but this node has {n_gpus} for {local_world} ranks: {fix}")
+    if device == "auto":
+        return torch.device("cpu"), "gloo", f"{n_gpus} GPU(s) for {local_world} ranks here, so CPU and gloo; {fix}"
+    return torch.device("cuda", local_rank % n_gpus), "gloo", f"{local_world} ranks share {n_gpus} GPU(s) over gloo"
 
 
 def setup(args, min_world=2):
-    """Join the process group. Global RANK names the process; LOCAL_RANK picks its GPU on this node."""
+    """Choose the device, then join the process group. Global RANK names a process; LOCAL_RANK picks its GPU."""
     global RANK, WORLD
-    if "RANK" not in os.environ:
-        sys.exit(f"error: launch with torchrun, e.g. torchrun --nproc_per_node=2 {os.path.basename(__file__)}")
-    RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "RANK" not in os.environ and min_world > 1:
+        raise UsageError(f"launch with torchrun, e.g. torchrun --nproc_per_node={min_world} {sys.argv[0]}")
+    RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if WORLD < min_world:
-        sys.exit(f"error: needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        sys.exit("error: --device cuda but CUDA is not available")
-    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if use_cuda else "cpu")
-    backend = args.backend or ("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(device)  # before init, so NCCL binds this rank to its own GPU
+        raise UsageError(f"needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
+    if args.timeout_s <= 0:
+        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
+    device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if note:
+        print0(f"note: {note}")
+    if device.type == "cuda":  # before init, so NCCL binds this rank to its GPU (not device_id=: pytorch#153960)
+        torch.cuda.set_device(device)
     # A timeout turns a dead peer into an error after --timeout-s instead of a silent 30-minute hang.
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s),
-                            device_id=device if backend == "nccl" else None)
+    kw = dict(backend=backend, timeout=timedelta(seconds=args.timeout_s))
+    if "RANK" not in os.environ:  # plain `python`: a group of one, in memory, so the same code runs
+        kw.update(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(**kw)
     return device
 
 
-def teardown():
+def run(main, parse_args):
+    """Bad input: one line on rank 0, exit 2. A peer that died or timed out: one line per survivor, exit 1."""
+    code = 0
+    try:
+        main(parse_args())
+    except UsageError as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank stops alike; one says why
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except RuntimeError as e:  # NCCL raises DistError; gloo, RuntimeErrors from torch.distributed or its transport
+        where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
+        if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
+            raise  # a bug in this rank's own code keeps its traceback
+        log(f"error: lost a peer ({text.strip().splitlines()[0][:160]})")
+        os._exit(1)  # no teardown: it would wait for the dead peer
     if dist.is_initialized():
         dist.destroy_process_group()
+    sys.exit(code)
 
 
 # --- the idea: a ring all-reduce on point-to-point messages ---
@@ -89,19 +141,25 @@ def _exchange(send, recv, right, left, nccl):
     gloo runs each isend/irecv in the background by itself; there the batching wrapper only adds overhead.
     """
     if nccl:
-        ops = [dist.P2POp(op, t, peer) for op, t, peer in ((dist.isend, send, right), (dist.irecv, recv, left))
-               if t.numel()]  # with fewer elements than ranks some chunks are empty: both neighbours skip them
-        for req in dist.batch_isend_irecv(ops) if ops else []:
-            req.wait()  # on a GPU this only orders streams; the host does not block
+        ops = []  # with fewer elements than ranks some chunks are empty: both neighbours skip them
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send, right))
+        if recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, left))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()  # on a GPU this only orders streams; the host does not block
         return []
-    # Which one to post first was measured on gloo (CPU). With 2 ranks both neighbours are the same peer, and
-    # posting the send first made 64 KiB-1 MiB all-reduces 25-35% faster, while the receive first made 64 MiB
-    # ones ~10% faster. With 3 ranks the receive first was as fast or faster at every size.
-    recv_first = left != right or recv.numel() * recv.element_size() >= 4 << 20
-    early = dist.irecv(recv, left) if recv_first and recv.numel() else None
+    # Which to post first was measured (benchmarks/README.md): with 2 ranks, whose two neighbours are one peer,
+    # the send first for chunks under 4 MiB; otherwise the receive first.
+    receiving = None
+    if recv.numel() and (left != right or recv.numel() * recv.element_size() >= 4 << 20):
+        receiving = dist.irecv(recv, left)
     sending = [dist.isend(send, right)] if send.numel() else []
     if recv.numel():
-        (early or dist.irecv(recv, left)).wait()
+        if receiving is None:
+            receiving = dist.irecv(recv, left)
+        receiving.wait()
     return sending
 
 
@@ -190,128 +248,24 @@ def check_grad_averaging(device):
     print0(f"  ring_all_reduce(grad) / {WORLD} == single-process gradient on the whole batch of {8 * WORLD}")
 
 
-# --- 4. benchmark: ring vs library, interleaved so machine noise hits both alike ---
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # GPU collectives are asynchronous: wait before reading the clock
-
-
-def benchmark(args, device):
-    sizes = [s for s in (1024 * 4 ** k for k in range(12)) if args.min_bytes <= s <= args.max_bytes]
-    impls = {"ring": ring_all_reduce, "library": dist.all_reduce}
-    bus = 2 * (WORLD - 1) / WORLD  # bytes each rank must send per byte reduced (nccl-tests' busbw factor)
-    rows = []
-    for nbytes in sizes:
-        x = torch.zeros(nbytes // 4, device=device)  # sums of zeros stay zero: no overflow over many calls
-        # As nccl-tests do, time a run of back-to-back calls and divide: one call of a small message is shorter
-        # than the clock's noise and the skew between ranks leaving the barrier.
-        calls = max(1, min(20, (16 << 20) // nbytes))
-        times = {name: [] for name in impls}
-        for i in range(args.iters + 1):  # round 0 warms up (connections, buffers) and is not timed
-            # Interleaved, and the order flips every round (ring, library, library, ring, ...): noise hits both
-            # alike, and neither always runs first after the barrier.
-            for name in (list(impls) if i % 2 else list(impls)[::-1]):
-                sync(device)
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    impls[name](x)
-                sync(device)
-                if i:
-                    times[name].append((time.perf_counter() - t0) / calls)
-        # A collective is as slow as its slowest rank: take the max over ranks of each repetition.
-        t = torch.tensor([times["ring"], times["library"]], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        row = {"bytes": nbytes}
-        for name, ts in zip(impls, t.tolist()):
-            q1, med, q3 = quartiles(ts)
-            row.update({f"{name}_ms": med * 1e3, f"{name}_ms_p25": q1 * 1e3, f"{name}_ms_p75": q3 * 1e3,
-                        f"{name}_algbw_gbps": nbytes / med / 1e9, f"{name}_busbw_gbps": nbytes / med / 1e9 * bus})
-        # The ratio is taken per round (the two runs of one round were seconds apart) and then the median over
-        # rounds: a slow spell of the machine slows both sides of its round and cancels out of the ratio.
-        q1, med, q3 = quartiles([lib / ring for ring, lib in zip(*t.tolist())])
-        row.update({"ring_over_library_busbw": med, "ring_over_library_busbw_p25": q1, "ring_over_library_busbw_p75": q3})
-        rows.append(row)
-    print0(f"\nall-reduce float32, world_size={WORLD}, backend={dist.get_backend()}, torch {torch.__version__}, "
-           f"median of {args.iters} rounds (max over ranks); busbw = algbw * 2(N-1)/N; "
-           f"ring/library = median of the per-round busbw ratios")
-    print0("| size | ring ms (p25-p75) | library ms (p25-p75) | ring busbw GB/s | library busbw GB/s | ring/library (p25-p75) |")
-    print0("|---:|---:|---:|---:|---:|---:|")
-    spread = lambda r, n: f"{r[n + '_ms']:8.3f} ({r[n + '_ms_p25']:.3f}-{r[n + '_ms_p75']:.3f})"  # noqa: E731
-    for r in rows:
-        print0(f"| {human(r['bytes']):>7} | {spread(r, 'ring')} | {spread(r, 'library')} | {r['ring_busbw_gbps']:7.3f} "
-               f"| {r['library_busbw_gbps']:7.3f} | {r['ring_over_library_busbw']:5.2f} ({r['ring_over_library_busbw_p25']:.2f}-"
-               f"{r['ring_over_library_busbw_p75']:.2f}) |")
-    if RANK == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump({"world_size": WORLD, "backend": dist.get_backend(), "device": device.type,
-                       "torch": torch.__version__, "rows": rows}, f, indent=1)
-        print0(f"wrote {args.json}")
-    if RANK == 0 and args.plot:
-        plot(rows, args.plot)
-        print0(f"wrote {args.plot}")
-    return rows
-
-
-def quartiles(xs):
-    """(p25, median, p75) of a list of timings or ratios."""
-    return statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0],) * 3
-
-
-def human(nbytes):
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:g} {unit}"
-        nbytes /= 1024
-
-
-def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    x = [r["bytes"] for r in rows]
-    for name in ("ring", "library"):
-        ax.plot(x, [r[f"{name}_busbw_gbps"] for r in rows], marker="o",
-                label="ring_all_reduce (ours)" if name == "ring" else "dist.all_reduce")
-    ax.set(xscale="log", xlabel="message size (bytes)", ylabel="busbw (GB/s)",
-           title=f"all-reduce busbw, {WORLD} ranks, {dist.get_backend()}")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main(args):
     device = setup(args)
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} torch={torch.__version__}")
-    if args.benchmark:
-        benchmark(args, device)
-        print0(f"OK benchmark finished on {WORLD} ranks")
-    else:
-        print0("1. reduce ops")
-        check_reduce_ops(device)
-        print0("2. hand-written ring")
-        check_ring(device)
-        print0("3. gradient averaging")
-        check_grad_averaging(device)
-        dist.barrier()
-        print0(f"OK reduce ops, ring_all_reduce and gradient averaging checked on {WORLD} ranks")
-    teardown()
+    print0("1. reduce ops")
+    check_reduce_ops(device)
+    print0("2. hand-written ring")
+    check_ring(device)
+    print0("3. gradient averaging")
+    check_grad_averaging(device)
+    done = torch.ones(1, device=device)
+    dist.all_reduce(done)  # every rank reports in, so the OK below speaks for all of them
+    assert done.item() == WORLD
+    print0(f"OK reduce ops, ring_all_reduce and gradient averaging checked on {WORLD} ranks")
+
+
+def parse_args():
+    return parser(__doc__).parse_args()
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--benchmark", action="store_true", help="time ring_all_reduce vs dist.all_reduce per size")
-    p.add_argument("--min-bytes", type=int, default=1 << 10, help="smallest benchmark message")
-    p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest benchmark message")
-    p.add_argument("--iters", type=int, default=100, help="timed rounds per size and implementation")
-    p.add_argument("--json", default=None, help="with --benchmark: write the results to this JSON file")
-    p.add_argument("--plot", default=None, help="with --benchmark: write busbw vs size to this PNG")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if available")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on cuda, gloo on cpu")
-    p.add_argument("--timeout-s", type=float, default=120, help="process-group timeout: a dead peer fails, not hangs")
-    a = p.parse_args()
-    if a.min_bytes < 4 or a.max_bytes < a.min_bytes or a.iters < 1 or a.timeout_s <= 0:
-        p.error("need 4 <= --min-bytes <= --max-bytes, --iters >= 1 and --timeout-s > 0")
-    main(a)
+    run(main, parse_args)

@@ -19,14 +19,19 @@ import argparse
 import math
 import os
 import sys
+import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.utils.data
 
-# --- distributed setup (the same block in every script: copied, not imported, so each file runs alone) ---
+# --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
 RANK, WORLD = 0, 1
+
+
+class UsageError(Exception):
+    """Bad input: one line on rank 0 (`error: ...`), exit status 2, no traceback."""
 
 
 def print0(*msg):
@@ -37,33 +42,84 @@ def print0(*msg):
 
 def log(*msg):
     """A per-rank line, tagged so interleaved output stays readable."""
-    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)  # one write: no interleaving
+    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)
+
+
+def parser(doc, timeout_s=120):
+    """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def error(message):
+        raise UsageError(message)
+    p.error = error
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if each local rank has a GPU")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if each rank has a GPU, else gloo")
+    p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
+    return p
+
+
+def choose_device(device, backend, n_gpus, local_rank, local_world):
+    """(device, backend, note) for this rank, from the flags and this node's GPUs, before any process group.
+    NCCL needs a GPU of its own for every rank; gloo runs on the CPU and can also share GPUs between ranks."""
+    if device == "cpu" or (device == "auto" and n_gpus == 0):
+        if backend == "nccl":
+            raise UsageError("--backend nccl runs on CUDA GPUs only: use gloo on the CPU")
+        return torch.device("cpu"), "gloo", None
+    if n_gpus == 0:
+        raise UsageError("--device cuda, but this node has no CUDA GPU: use --device cpu")
+    if n_gpus >= local_world:  # the usual GPU setup: local rank r takes cuda:r
+        return torch.device("cuda", local_rank), backend or "nccl", None
+    fix = f"start --nproc_per_node={n_gpus}, or share the GPU(s) over gloo with --device cuda --backend gloo"
+    if backend == "nccl":  # NCCL refuses two ranks on one GPU
+        raise UsageError(f"nccl needs one GPU per rank, but this node has {n_gpus} for {local_world} ranks: {fix}")
+    if device == "auto":
+        return torch.device("cpu"), "gloo", f"{n_gpus} GPU(s) for {local_world} ranks here, so CPU and gloo; {fix}"
+    return torch.device("cuda", local_rank % n_gpus), "gloo", f"{local_world} ranks share {n_gpus} GPU(s) over gloo"
 
 
 def setup(args, min_world=2):
-    """Join the process group. Global RANK names the process; LOCAL_RANK picks its GPU on this node."""
+    """Choose the device, then join the process group. Global RANK names a process; LOCAL_RANK picks its GPU."""
     global RANK, WORLD
-    if "RANK" not in os.environ:
-        sys.exit(f"error: launch with torchrun, e.g. torchrun --nproc_per_node=2 {os.path.basename(__file__)}")
-    RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "RANK" not in os.environ and min_world > 1:
+        raise UsageError(f"launch with torchrun, e.g. torchrun --nproc_per_node={min_world} {sys.argv[0]}")
+    RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if WORLD < min_world:
-        sys.exit(f"error: needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        sys.exit("error: --device cuda but CUDA is not available")
-    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if use_cuda else "cpu")
-    backend = args.backend or ("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(device)  # before init, so NCCL binds this rank to its own GPU
+        raise UsageError(f"needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
+    if args.timeout_s <= 0:
+        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
+    device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if note:
+        print0(f"note: {note}")
+    if device.type == "cuda":  # before init, so NCCL binds this rank to its GPU (not device_id=: pytorch#153960)
+        torch.cuda.set_device(device)
     # A timeout turns a dead peer into an error after --timeout-s instead of a silent 30-minute hang.
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s),
-                            device_id=device if backend == "nccl" else None)
+    kw = dict(backend=backend, timeout=timedelta(seconds=args.timeout_s))
+    if "RANK" not in os.environ:  # plain `python`: a group of one, in memory, so the same code runs
+        kw.update(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(**kw)
     return device
 
 
-def teardown():
+def run(main, parse_args):
+    """Bad input: one line on rank 0, exit 2. A peer that died or timed out: one line per survivor, exit 1."""
+    code = 0
+    try:
+        main(parse_args())
+    except UsageError as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank stops alike; one says why
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except RuntimeError as e:  # NCCL raises DistError; gloo, RuntimeErrors from torch.distributed or its transport
+        where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
+        if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
+            raise  # a bug in this rank's own code keeps its traceback
+        log(f"error: lost a peer ({text.strip().splitlines()[0][:160]})")
+        os._exit(1)  # no teardown: it would wait for the dead peer
     if dist.is_initialized():
         dist.destroy_process_group()
+    sys.exit(code)
 
 
 # --- the idea: a distributed sampler ---
@@ -164,19 +220,18 @@ def main(args):
     assert abs(fixed_acc - exact) < 1e-6, (fixed_acc, exact)
     print0(f"accuracy: exact {exact:.4f} | naive distributed {naive_acc:.4f} over {naive[1]:.0f} samples "
            f"| padding masked {fixed_acc:.4f} over {fixed[1]:.0f} samples")
-    dist.barrier()
     print0(f"OK DistributedSampler equals torch's on {WORLD} ranks; padded evaluation fixed")
-    teardown()
+
+
+def parse_args():
+    p = parser(__doc__)
+    p.add_argument("--dataset-size", type=int, default=11, help="samples in the toy dataset (try one not divisible by N)")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed, shared by all ranks")
+    a = p.parse_args()
+    if a.dataset_size < 1:
+        p.error(f"--dataset-size must be >= 1, got {a.dataset_size}")
+    return a
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dataset-size", type=int, default=11, help="samples in the toy dataset (try one not divisible by N)")
-    p.add_argument("--seed", type=int, default=0, help="shuffle seed, shared by all ranks")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if available")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on cuda, gloo on cpu")
-    p.add_argument("--timeout-s", type=float, default=120, help="process-group timeout: a dead peer fails, not hangs")
-    a = p.parse_args()
-    if a.dataset_size < 1 or a.timeout_s <= 0:
-        p.error("--dataset-size must be >= 1 and --timeout-s > 0")
-    main(a)
+    run(main, parse_args)

@@ -21,25 +21,27 @@ Run it (the default trains a small GPT-2 offline on Python's own standard librar
 
 import argparse
 import contextlib
-import copy
 import functools
 import glob
-import json
 import math
 import os
 import shutil
 import signal
-import statistics
 import sys
 import time
+import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-# --- distributed setup (the same block in every script: copied, not imported, so each file runs alone) ---
+# --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
 RANK, WORLD = 0, 1
+
+
+class UsageError(Exception):
+    """Bad input: one line on rank 0 (`error: ...`), exit status 2, no traceback."""
 
 
 def print0(*msg):
@@ -50,33 +52,84 @@ def print0(*msg):
 
 def log(*msg):
     """A per-rank line, tagged so interleaved output stays readable."""
-    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)  # one write: no interleaving
+    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)
 
 
-def setup(args):
-    """Join the process group. Global RANK names the process; LOCAL_RANK picks its GPU on this node."""
+def parser(doc, timeout_s=120):
+    """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def error(message):
+        raise UsageError(message)
+    p.error = error
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if each local rank has a GPU")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if each rank has a GPU, else gloo")
+    p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
+    return p
+
+
+def choose_device(device, backend, n_gpus, local_rank, local_world):
+    """(device, backend, note) for this rank, from the flags and this node's GPUs, before any process group.
+    NCCL needs a GPU of its own for every rank; gloo runs on the CPU and can also share GPUs between ranks."""
+    if device == "cpu" or (device == "auto" and n_gpus == 0):
+        if backend == "nccl":
+            raise UsageError("--backend nccl runs on CUDA GPUs only: use gloo on the CPU")
+        return torch.device("cpu"), "gloo", None
+    if n_gpus == 0:
+        raise UsageError("--device cuda, but this node has no CUDA GPU: use --device cpu")
+    if n_gpus >= local_world:  # the usual GPU setup: local rank r takes cuda:r
+        return torch.device("cuda", local_rank), backend or "nccl", None
+    fix = f"start --nproc_per_node={n_gpus}, or share the GPU(s) over gloo with --device cuda --backend gloo"
+    if backend == "nccl":  # NCCL refuses two ranks on one GPU
+        raise UsageError(f"nccl needs one GPU per rank, but this node has {n_gpus} for {local_world} ranks: {fix}")
+    if device == "auto":
+        return torch.device("cpu"), "gloo", f"{n_gpus} GPU(s) for {local_world} ranks here, so CPU and gloo; {fix}"
+    return torch.device("cuda", local_rank % n_gpus), "gloo", f"{local_world} ranks share {n_gpus} GPU(s) over gloo"
+
+
+def setup(args, min_world=2):
+    """Choose the device, then join the process group. Global RANK names a process; LOCAL_RANK picks its GPU."""
     global RANK, WORLD
+    if "RANK" not in os.environ and min_world > 1:
+        raise UsageError(f"launch with torchrun, e.g. torchrun --nproc_per_node={min_world} {sys.argv[0]}")
     RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        sys.exit("error: --device cuda but CUDA is not available")
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    backend = args.backend or ("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(device)  # before init, so NCCL binds this rank to its own GPU
+    if WORLD < min_world:
+        raise UsageError(f"needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
+    if args.timeout_s <= 0:
+        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
+    device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if note:
+        print0(f"note: {note}")
+    if device.type == "cuda":  # before init, so NCCL binds this rank to its GPU (not device_id=: pytorch#153960)
+        torch.cuda.set_device(device)
     # A timeout turns a dead peer into an error after --timeout-s instead of a silent 30-minute hang.
-    kw = dict(timeout=timedelta(seconds=args.timeout_s), device_id=device if backend == "nccl" else None)
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, **kw)
-    else:  # plain `python`: a group of one, in memory, so the same code path runs without torchrun
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
-    return device, local_rank
+    kw = dict(backend=backend, timeout=timedelta(seconds=args.timeout_s))
+    if "RANK" not in os.environ:  # plain `python`: a group of one, in memory, so the same code runs
+        kw.update(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(**kw)
+    return device
 
 
-def teardown():
+def run(main, parse_args):
+    """Bad input: one line on rank 0, exit 2. A peer that died or timed out: one line per survivor, exit 1."""
+    code = 0
+    try:
+        main(parse_args())
+    except UsageError as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank stops alike; one says why
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except RuntimeError as e:  # NCCL raises DistError; gloo, RuntimeErrors from torch.distributed or its transport
+        where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
+        if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
+            raise  # a bug in this rank's own code keeps its traceback
+        log(f"error: lost a peer ({text.strip().splitlines()[0][:160]})")
+        os._exit(1)  # no teardown: it would wait for the dead peer
     if dist.is_initialized():
         dist.destroy_process_group()
+    sys.exit(code)
 
 
 # --- the idea: DDP by hand ---
@@ -238,10 +291,6 @@ class ManualDDP(nn.Module):
 
 
 # --- data: a tokenizer and a corpus that need no download ---
-class UsageError(Exception):
-    """Bad input from the user: reported as one line, exit status 2."""
-
-
 def byte_tokenizer():
     """A byte-level tokenizer (256 bytes + end-of-text): nothing to download, any text encodes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -525,177 +574,20 @@ def finish(args, tok, model, device, first_loss, last_loss):
         print0(f"OK {args.impl} DDP on {WORLD} rank(s): nothing left to train (resumed at --max-steps)")
 
 
-# --- benchmark: the same model and data through each implementation, interleaved ---
-def _peak_mb(fn, device):
-    """Peak memory (MiB) that fn() adds: the most bytes its tensors held at any one time."""
-    import gc
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    # On CPU there are no allocator statistics, and the resident set cannot tell (glibc reuses freed memory and
-    # keeps fragments: +-10 MiB between identical runs). The profiler records every tensor allocation and free
-    # with the running total of bytes allocated; its highest point above where it started is the peak, exactly.
-    from torch._C._profiler import _EventType
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the profiler's start/stop notes out of the output
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        node = todo.pop()
-        todo += node.children
-        if node.tag == _EventType.Allocation:  # alloc_size > 0 for an allocation, < 0 for a free
-            events.append((node.start_time_ns, node.extra_fields.total_allocated, node.extra_fields.alloc_size))
-    if not events:
-        return 0.0
-    events.sort()
-    start = events[0][1] - events[0][2]  # the running total just before fn's first allocation
-    return (max(total for _, total, _ in events) - start) / 2**20
-
-
-def quartiles(xs):
-    """(p25, median, p75) of a list of timings or ratios."""
-    return statistics.quantiles(xs, n=4) if len(xs) > 1 else (xs[0],) * 3
-
-
-def benchmark(args, device, local_rank):
-    tok, base = build_model(args)
-    data = Blocks(tokenize(load_texts(args, local_rank), tok), args.seq_len)
-    feed = batches_from(data, (len(data) // WORLD) // args.batch_size, args, 0)
-    batches = [next(feed).to(device) for _ in range(4)]
-    base.to(device)
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
-    impls = ["manual", "naive", "torch", "none"]  # none: no DDP at all, each rank alone (no communication)
-
-    def make(impl):
-        model = copy.deepcopy(base)
-        wrapped = model if impl == "none" else wrap(model, impl, args, device)
-        return wrapped, torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step(wrapped, opt, batch, probe=None):
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = wrapped(input_ids=batch[:, :-1]).logits
-        nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
-        if probe:
-            probe(wrapped, opt)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def grad_buffers(wrapped, opt):
-        """MiB of gradients plus communication buckets alive when the optimizer steps (distinct storages)."""
-        live = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
-                for group in opt.param_groups for p in group["params"] if p.grad is not None}
-        live.update({b.flat.untyped_storage().data_ptr(): b.flat.untyped_storage().nbytes()
-                     for b in getattr(wrapped, "buckets", [])})
-        held = sum(live.values())
-        if isinstance(wrapped, nn.parallel.DistributedDataParallel):  # its buckets live in C++: ask it
-            held += sum(int(b) for b in str(wrapped._get_ddp_logging_data()["bucket_sizes"]).split(",") if b)
-        return held / 2**20
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    # Time first, interleaved: noise hits all alike. The order changes every round (A B D C, B C A D, C D B A,
-    # D A C B: a Williams square), so each runs first once in four rounds and follows each of the others once;
-    # with a plain rotation A always followed D, whose leftovers (caches, gloo threads) could favour or
-    # handicap A every time. Warm-up rounds are untimed.
-    runs = {impl: make(impl) for impl in impls}
-    # The same layout as PyTorch's DDP for the same bucket_cap_mb (tests/workers/ddp_worker.py checks it).
-    bucket_mb = [b.flat.numel() * b.flat.element_size() / 2**20 for b in runs["manual"][0].buckets]
-    times = {impl: [] for impl in impls}
-    for i in range(args.bench_warmup + args.bench_steps):
-        for impl in [impls[(j + i) % 4] for j in (0, 1, 3, 2)]:
-            sync()
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(*runs[impl], batches[i % len(batches)])
-            sync()
-            if i >= args.bench_warmup:
-                times[impl].append(time.perf_counter() - t0)
-    del runs
-    # Then memory, one implementation at a time: what wrapping + optimizer + two steps add to the bare model,
-    # and the gradient + bucket bytes alive at the optimizer step (exact: distinct storages).
-    peak, buffers = {}, {}
-    for k, impl in enumerate(["none"] + impls):
-        def two_steps():
-            wrapped, opt = make(impl)  # one model for both steps
-            for b in batches[:2]:
-                step(wrapped, opt, b, lambda w, o: buffers.__setitem__(impl, grad_buffers(w, o)))
-        mb = _peak_mb(two_steps, device)
-        if k:  # the very first measurement also pays one-time costs (thread pools, caches): discarded
-            peak[impl] = mb
-        dist.barrier()
-    t = torch.tensor([times[i] for i in impls], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-    t = dict(zip(impls, t.tolist()))
-    res = {}
-    for impl in impls:
-        q1, med, q3 = quartiles(t[impl])
-        # Ratios are taken per round (all four steps of a round ran within a second) and then the median over
-        # rounds: a slow spell of the machine slows every step of its round and cancels out of the ratio.
-        r1, ratio, r3 = quartiles([a / b for a, b in zip(t[impl], t["torch"])])
-        res[impl] = {"step_ms": med * 1e3, "step_ms_p25": q1 * 1e3, "step_ms_p75": q3 * 1e3,
-                     "ratio_to_torch": ratio, "ratio_to_torch_p25": r1, "ratio_to_torch_p75": r3,
-                     # none does the same per-rank work without communicating
-                     "scaling_efficiency": quartiles([a / b for a, b in zip(t["none"], t[impl])])[1],
-                     "peak_mem_mb": peak[impl], "grad_buffers_mb": buffers[impl]}
-    n_params = sum(p.numel() for p in base.parameters())
-    print0(f"\nDDP step time, {WORLD} ranks, {dist.get_backend()}, {n_params / 1e6:.2f}M parameters, batch "
-           f"{args.batch_size}x{args.seq_len} per rank, buckets of {' + '.join(f'{b:.2f}' for b in bucket_mb)} MiB "
-           f"(bucket_cap_mb={args.bucket_cap_mb}), torch {torch.__version__}; "
-           f"median of {args.bench_steps} interleaved steps (max over ranks)")
-    print0("| impl | step ms (p25-p75) | vs torch DDP (p25-p75) | scaling efficiency | peak memory MiB | grads + buckets MiB |")
-    print0("|---|---:|---:|---:|---:|---:|")
-    for impl, r in res.items():
-        print0(f"| {impl:<6} | {r['step_ms']:7.1f} ({r['step_ms_p25']:.1f}-{r['step_ms_p75']:.1f}) | "
-               f"{r['ratio_to_torch']:5.2f} ({r['ratio_to_torch_p25']:.2f}-{r['ratio_to_torch_p75']:.2f}) | "
-               f"{r['scaling_efficiency']:5.2f} | {r['peak_mem_mb']:7.1f} | "
-               f"{r['grad_buffers_mb']:6.2f} |")
-    if RANK == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump({"world_size": WORLD, "backend": dist.get_backend(), "device": device.type,
-                       "torch": torch.__version__, "parameters": n_params, "bucket_cap_mb": args.bucket_cap_mb,
-                       "buckets_mb": bucket_mb, "impls": res}, f, indent=1)
-        print0(f"wrote {args.json}")
-    if RANK == 0 and args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        med = [res[i]["step_ms"] for i in impls]
-        err = [[m - res[i]["step_ms_p25"] for m, i in zip(med, impls)], [res[i]["step_ms_p75"] - m for m, i in zip(med, impls)]]
-        ax.bar(impls, med, yerr=err, capsize=4, color=["tab:green", "tab:red", "tab:blue", "tab:gray"])
-        ax.set(ylabel="step time (ms), median and p25-p75", title=f"GPT-2 step, {WORLD} ranks, {dist.get_backend()}")
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print0(f"wrote {args.plot}")
-    print0(f"OK benchmark: manual/torch = {res['manual']['ratio_to_torch']:.2f}, naive/torch = {res['naive']['ratio_to_torch']:.2f}")
-
-
 def main(args):
-    device, local_rank = setup(args)
+    device = setup(args, min_world=1)
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} impl={args.impl} "
            f"precision={args.precision} torch={torch.__version__}")
     import transformers
     transformers.logging.set_verbosity_error()  # long documents trigger a harmless length warning
     transformers.utils.logging.disable_progress_bar()
-    if args.benchmark:
-        benchmark(args, device, local_rank)
-    else:
-        tok, model, first, last = train(args, device, local_rank)
-        finish(args, tok, model, device, first, last)
-    # Leave together: rank 0 still writes files while the others would already be tearing down their
-    # connections (one such benchmark run ended with a SIGABRT in a rank's shutdown).
-    dist.barrier()
-    teardown()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    tok, model, first, last = train(args, device, local_rank)
+    finish(args, tok, model, device, first, last)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = parser(__doc__, timeout_s=300)
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help="HF causal LM name or local dir; default: a small GPT-2 from scratch")
     g.add_argument("--n-layer", type=int, default=4, help="default model only")
@@ -721,9 +613,6 @@ def parse_args(argv=None):
     g.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual", help="whose DDP")
     g.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="gradient bucket size (default: PyTorch's, 25 MiB with a 1 MiB first bucket)")
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if available")
-    g.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on cuda, gloo on cpu")
-    g.add_argument("--timeout-s", type=float, default=300, help="process-group timeout: a dead peer fails, not hangs")
     g = p.add_argument_group("checkpoints, output")
     g.add_argument("--out", default=None, help="checkpoint dir: resume from it, save to it, final save_pretrained")
     g.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
@@ -732,37 +621,19 @@ def parse_args(argv=None):
     g.add_argument("--profile", default=None, help="write a torch.profiler trace of steps 3-5 per rank here")
     g.add_argument("--prompt", default="def ", help="start of the generated sample")
     g.add_argument("--sample-tokens", type=int, default=120, help="tokens generated at the end (0: none)")
-    g = p.add_argument_group("benchmark")
-    g.add_argument("--benchmark", action="store_true", help="time manual, naive, torch DDP and no DDP side by side")
-    g.add_argument("--bench-steps", type=int, default=60, help="timed steps per implementation")
-    g.add_argument("--bench-warmup", type=int, default=3, help="untimed steps per implementation first")
-    g.add_argument("--json", default=None, help="with --benchmark: write the results here")
-    g.add_argument("--plot", default=None, help="with --benchmark: write a PNG of step times here")
     g.add_argument("--crash-at-step", type=int, default=-1, help="demo: SIGKILL the last rank at this step, first attempt only")
     args = p.parse_args(argv)
     for name in ("batch_size", "grad_accum", "seq_len", "max_steps", "ckpt_every", "keep_checkpoints", "log_every",
-                 "n_layer", "n_embd", "n_head", "stdlib_files", "bench_steps", "bench_warmup"):
+                 "n_layer", "n_embd", "n_head", "stdlib_files"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     bad_cap = args.bucket_cap_mb is not None and args.bucket_cap_mb <= 0
-    if bad_cap or args.lr <= 0 or args.timeout_s <= 0 or args.warmup_steps < 0:
-        p.error("--bucket-cap-mb, --lr and --timeout-s must be > 0, --warmup-steps >= 0")
+    if bad_cap or args.lr <= 0 or args.warmup_steps < 0:
+        p.error("--bucket-cap-mb and --lr must be > 0, --warmup-steps >= 0")
     if args.n_embd % args.n_head:
         p.error("--n-embd must be divisible by --n-head")
     return args
 
 
 if __name__ == "__main__":
-    cli = parse_args()
-    try:
-        main(cli)
-    except UsageError as e:
-        print0(f"error: {e}")
-        teardown()
-        sys.exit(2)
-    except (dist.DistError, RuntimeError) as e:  # a peer died or timed out: one line, not N tracebacks
-        if not isinstance(e, dist.DistError) and not any(k in str(e) for k in ("Connection", "gloo", "NCCL", "imed out")):
-            raise
-        log(f"error: lost a peer ({str(e).strip().splitlines()[0][:200]}); with --out and torchrun "
-            f"--max-restarts the job resumes from the newest checkpoint")
-        sys.exit(1)
+    run(main, parse_args)

@@ -17,19 +17,25 @@ Run it (MNIST is downloaded into --data-dir on first use; --dataset fake needs n
 """
 
 import argparse
+import functools
 import os
 import signal
 import socket
 import sys
 import time
+import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-# --- distributed setup (the same block in every script: copied, not imported, so each file runs alone) ---
+# --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
 RANK, WORLD = 0, 1
+
+
+class UsageError(Exception):
+    """Bad input: one line on rank 0 (`error: ...`), exit status 2, no traceback."""
 
 
 def print0(*msg):
@@ -40,40 +46,87 @@ def print0(*msg):
 
 def log(*msg):
     """A per-rank line, tagged so interleaved output stays readable."""
-    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)  # one write: no interleaving
+    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)
 
 
-def setup(args):
-    """Join the process group. Global RANK names the process; LOCAL_RANK picks its GPU on this node."""
+def parser(doc, timeout_s=120):
+    """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def error(message):
+        raise UsageError(message)
+    p.error = error
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if each local rank has a GPU")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if each rank has a GPU, else gloo")
+    p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
+    return p
+
+
+def choose_device(device, backend, n_gpus, local_rank, local_world):
+    """(device, backend, note) for this rank, from the flags and this node's GPUs, before any process group.
+    NCCL needs a GPU of its own for every rank; gloo runs on the CPU and can also share GPUs between ranks."""
+    if device == "cpu" or (device == "auto" and n_gpus == 0):
+        if backend == "nccl":
+            raise UsageError("--backend nccl runs on CUDA GPUs only: use gloo on the CPU")
+        return torch.device("cpu"), "gloo", None
+    if n_gpus == 0:
+        raise UsageError("--device cuda, but this node has no CUDA GPU: use --device cpu")
+    if n_gpus >= local_world:  # the usual GPU setup: local rank r takes cuda:r
+        return torch.device("cuda", local_rank), backend or "nccl", None
+    fix = f"start --nproc_per_node={n_gpus}, or share the GPU(s) over gloo with --device cuda --backend gloo"
+    if backend == "nccl":  # NCCL refuses two ranks on one GPU
+        raise UsageError(f"nccl needs one GPU per rank, but this node has {n_gpus} for {local_world} ranks: {fix}")
+    if device == "auto":
+        return torch.device("cpu"), "gloo", f"{n_gpus} GPU(s) for {local_world} ranks here, so CPU and gloo; {fix}"
+    return torch.device("cuda", local_rank % n_gpus), "gloo", f"{local_world} ranks share {n_gpus} GPU(s) over gloo"
+
+
+def setup(args, min_world=2):
+    """Choose the device, then join the process group. Global RANK names a process; LOCAL_RANK picks its GPU."""
     global RANK, WORLD
+    if "RANK" not in os.environ and min_world > 1:
+        raise UsageError(f"launch with torchrun, e.g. torchrun --nproc_per_node={min_world} {sys.argv[0]}")
     RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        sys.exit("error: --device cuda but CUDA is not available")
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    backend = args.backend or ("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(device)  # before init, so NCCL binds this rank to its own GPU
+    if WORLD < min_world:
+        raise UsageError(f"needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
+    if args.timeout_s <= 0:
+        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
+    device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if note:
+        print0(f"note: {note}")
+    if device.type == "cuda":  # before init, so NCCL binds this rank to its GPU (not device_id=: pytorch#153960)
+        torch.cuda.set_device(device)
     # A timeout turns a dead peer into an error after --timeout-s instead of a silent 30-minute hang.
-    kw = dict(timeout=timedelta(seconds=args.timeout_s), device_id=device if backend == "nccl" else None)
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, **kw)
-    else:  # plain `python`: a group of one, in memory, so the same code path runs without torchrun
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
-    return device, local_rank
+    kw = dict(backend=backend, timeout=timedelta(seconds=args.timeout_s))
+    if "RANK" not in os.environ:  # plain `python`: a group of one, in memory, so the same code runs
+        kw.update(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(**kw)
+    return device
 
 
-def teardown():
+def run(main, parse_args):
+    """Bad input: one line on rank 0, exit 2. A peer that died or timed out: one line per survivor, exit 1."""
+    code = 0
+    try:
+        main(parse_args())
+    except UsageError as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank stops alike; one says why
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except RuntimeError as e:  # NCCL raises DistError; gloo, RuntimeErrors from torch.distributed or its transport
+        where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
+        if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
+            raise  # a bug in this rank's own code keeps its traceback
+        log(f"error: lost a peer ({text.strip().splitlines()[0][:160]})")
+        os._exit(1)  # no teardown: it would wait for the dead peer
     if dist.is_initialized():
         dist.destroy_process_group()
+    sys.exit(code)
 
 
 # --- model and data ---
-class UsageError(Exception):
-    """Bad input or missing data: reported as one line, exit status 2."""
-
-
 def build_model(num_classes=10):
     """torchvision's ResNet18 for 1x28x28 input: a 3x3 stem and no max-pool, so 28x28 is not shrunk to 7x7
     before the first residual block."""
@@ -148,7 +201,8 @@ def main(args):
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
     from tqdm import tqdm
-    device, local_rank = setup(args)
+    device = setup(args, min_world=1)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} precision={args.precision} "
            f"torch={torch.__version__}")
     train_set, val_set = load_data(args, local_rank)
@@ -236,27 +290,33 @@ def main(args):
     if not same.item():
         raise RuntimeError("replicas diverged: weights differ across ranks")
     print0(f"OK DDP ResNet18 on {WORLD} rank(s): replicas identical after {args.epochs} epoch(s)")
-    teardown()
 
 
-def run(args):
+def spawned(local_rank, argv, port):
+    """Entry point of each process started by --nproc: the environment torchrun would have set, then as usual."""
+    nproc = parse_args(argv).nproc
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    run(main, functools.partial(parse_args, argv))
+
+
+def main_or_spawn(args):
+    """--nproc N starts N processes here with torch.multiprocessing, as torchrun would; otherwise this one runs."""
+    if not args.nproc:
+        return main(args)
+    if "RANK" in os.environ:
+        raise UsageError("--nproc starts its own processes: use it with plain python, not under torchrun")
+    with socket.socket() as s:  # a free port for the rendezvous on this machine
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     try:
-        main(args)
-    except UsageError as e:
-        print0(f"error: {e}")
-        teardown()
-        sys.exit(2)
+        torch.multiprocessing.spawn(spawned, args=(sys.argv[1:], port), nprocs=args.nproc)
+    except torch.multiprocessing.ProcessExitedException as e:  # the worker already said why
+        sys.exit(e.exit_code or 1)
 
 
-def spawned(local_rank, args, port):
-    """Entry point of each process started by --nproc: the environment torchrun would have set."""
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.nproc),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    run(args)
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def parse_args(argv=None):
+    p = parser(__doc__, timeout_s=300)
     p.add_argument("--dataset", choices=["mnist", "fake"], default="mnist", help="fake: torchvision FakeData, offline")
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST root")
     p.add_argument("--max-train-samples", type=int, default=2000, help="first N training images (0: all 60,000)")
@@ -271,24 +331,14 @@ if __name__ == "__main__":
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="checkpoint every epoch, resume from it, final model.pt")
     p.add_argument("--nproc", type=int, default=0, help="start this many local processes yourself (no torchrun)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if available")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl on cuda, gloo on cpu")
-    p.add_argument("--timeout-s", type=float, default=300, help="process-group timeout: a dead peer fails, not hangs")
     p.add_argument("--crash-at-step", type=int, default=-1, help="demo: SIGKILL the last rank at this step, first attempt only")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if min(a.epochs, a.batch_size, a.fake_size) < 1 or min(a.max_train_samples, a.max_val_samples, a.workers, a.nproc) < 0:
         p.error("--epochs, --batch-size, --fake-size must be >= 1; sample limits, --workers, --nproc >= 0")
-    if a.lr <= 0 or a.timeout_s <= 0:
-        p.error("--lr and --timeout-s must be > 0")
-    if a.nproc and "RANK" in os.environ:
-        p.error("--nproc starts its own processes: use it with plain python, not under torchrun")
-    if a.nproc:
-        with socket.socket() as s:  # a free port for the rendezvous on this machine
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            torch.multiprocessing.spawn(spawned, args=(a, port), nprocs=a.nproc)
-        except torch.multiprocessing.ProcessExitedException as e:  # the worker already said why
-            sys.exit(e.exit_code or 1)
-    else:
-        run(a)
+    if a.lr <= 0:
+        p.error("--lr must be > 0")
+    return a
+
+
+if __name__ == "__main__":
+    run(main_or_spawn, parse_args)

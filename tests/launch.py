@@ -114,15 +114,21 @@ def torchrun_cmd(script, nproc, args=(), torchrun_args=()):
     ]
 
 
-def torchrun(script, nproc, args=(), timeout=180, torchrun_args=(), **env):
-    """Launch ``script`` under torchrun with ``nproc`` CPU ranks (gloo). Never hangs past ``timeout``."""
+def with_device(args, device):
+    """Tests check CPU properties (gloo, bit-identical runs) unless they ask for CUDA: name the device always,
+    so that the suite means the same on a machine with GPUs."""
+    return [*map(str, args)] + (["--device", device] if device else [])
+
+
+def torchrun(script, nproc, args=(), timeout=180, torchrun_args=(), device="cpu", **env):
+    """Launch ``script`` under torchrun with ``nproc`` ranks (CPU, gloo by default). Never hangs past ``timeout``."""
     t0 = time.time()
-    res = run(torchrun_cmd(script, nproc, args, torchrun_args), timeout, env=make_env(**env))
+    res = run(torchrun_cmd(script, nproc, with_device(args, device), torchrun_args), timeout, env=make_env(**env))
     res.output += f"\n[launch] {script} x{nproc} took {time.time() - t0:.1f}s\n"
     return res
 
 
-def ranks(script, nproc, args=(), timeout=120, **env):
+def ranks(script, nproc, args=(), timeout=120, device="cpu", **env):
     """Start ``nproc`` plain processes with the environment torchrun gives its workers, but no agent.
 
     Under torchrun a dead worker makes the agent stop the others, so what survivors print is a race; here
@@ -135,7 +141,7 @@ def ranks(script, nproc, args=(), timeout=120, **env):
         log = tempfile.TemporaryFile(mode="w+")
         env_r = make_env(RANK=r, LOCAL_RANK=r, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc, MASTER_ADDR="127.0.0.1",
                          MASTER_PORT=port, **env)
-        procs.append((subprocess.Popen([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO, env=env_r,
+        procs.append((subprocess.Popen([sys.executable, str(REPO / script), *with_device(args, device)], cwd=REPO, env=env_r,
                                        stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True), log))
     deadline, results = time.time() + timeout, []
     for proc, log in procs:
@@ -151,6 +157,6 @@ def ranks(script, nproc, args=(), timeout=120, **env):
     return results
 
 
-def python(script, args=(), timeout=120, **env):
+def python(script, args=(), timeout=120, device="cpu", **env):
     """Run ``script`` as one plain process (no torchrun)."""
-    return run([sys.executable, str(REPO / script), *map(str, args)], timeout, env=make_env(**env))
+    return run([sys.executable, str(REPO / script), *with_device(args, device)], timeout, env=make_env(**env))

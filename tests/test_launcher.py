@@ -49,7 +49,7 @@ def test_prints_every_form():
 @pytest.mark.parametrize("form", ["static", "c10d"])
 def test_printed_commands_run_on_two_loopback_nodes(form):
     out = sh("--nodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
-             launch.free_port(), "--script", "02_broadcast.py", "--", "--src", "1").stdout
+             launch.free_port(), "--script", "02_broadcast.py", "--", "--src", "1", "--device", "cpu").stdout
     lines = [ln for ln in out.splitlines() if ln.startswith("torchrun")]
     cmds = lines[:2] if form == "static" else [lines[2]] * 2  # c10d: the same line on both "nodes"
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *shlex.split(c)[1:]], cwd=launch.REPO,

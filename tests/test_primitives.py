@@ -1,7 +1,6 @@
 """01-04: each script checks itself under 2 and 3 ranks; the hand-written pieces equal the library's."""
 
 import itertools
-import json
 
 import pytest
 import torch.utils.data
@@ -9,7 +8,7 @@ import torch.utils.data
 import launch
 
 SCRIPTS = {
-    "01_send_recv.py": ["--max-bytes", "65536", "--iters", "5"],
+    "01_send_recv.py": [],
     "02_broadcast.py": ["--src", "1"],
     "03_all_reduce.py": [],
     "04_sampler.py": [],
@@ -88,20 +87,3 @@ def test_sampler_rejects_bad_rank_like_torch(script, rank, replicas):
     with pytest.raises(ValueError) as ours:
         Ours(range(10), num_replicas=replicas, rank=rank)
     assert str(ours.value) == str(ref.value)
-
-
-def test_all_reduce_benchmark_emits_json_and_plot(tmp_path):
-    out, png = tmp_path / "ar.json", tmp_path / "ar.png"
-    res = launch.torchrun("03_all_reduce.py", 2, ["--benchmark", "--max-bytes", str(64 << 10), "--iters", "2",
-                                                  "--json", out, "--plot", png], timeout=120)
-    assert res.returncode == 0 and res.ok_line(), res.output
-    report = json.loads(out.read_text())
-    assert report["world_size"] == 2 and report["backend"] == "gloo"
-    assert [r["bytes"] for r in report["rows"]] == [1024, 4096, 16384, 65536]
-    for row in report["rows"]:
-        for key in ("ring_busbw_gbps", "library_busbw_gbps", "ring_ms", "library_ms"):
-            assert row[key] > 0
-        # busbw = algbw * 2(N-1)/N, which is 1 for N=2
-        assert row["ring_busbw_gbps"] == pytest.approx(row["ring_algbw_gbps"])
-        assert row["ring_over_library_busbw_p25"] <= row["ring_over_library_busbw"] <= row["ring_over_library_busbw_p75"]
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,55 @@
+"""Helpers shared by the benchmarks: import a numbered script, summarise timings, write results.
+
+The benchmarks import the hand-written pieces from the numbered scripts, so what is measured is what is taught.
+"""
+
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_script(filename):
+    """Import a numbered script (its name starts with a digit, so a plain `import` cannot)."""
+    path = REPO / filename
+    spec = importlib.util.spec_from_file_location(path.stem.lstrip("0123456789_"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def quartiles(xs):
+    """(p25, median, p75) of a list of timings or ratios."""
+    return tuple(statistics.quantiles(xs, n=4)) if len(xs) > 1 else (xs[0],) * 3
+
+
+def human(nbytes):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:g} {unit}"
+        nbytes /= 1024
+
+
+def write_json(path, report):
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def pyplot():
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def check_writable(path, flag):
+    """Fail before any measuring if an output path cannot be written (a benchmark run is minutes of work)."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir() or not target.resolve().parent.is_dir():
+        raise OSError(f"{flag} {path}: not a file in an existing directory")
+    with open(target, "a"):
+        pass

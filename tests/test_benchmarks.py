@@ -1,0 +1,44 @@
+"""benchmarks/: each runs under torchrun and writes the JSON and PNG it promises (their speed is not asserted)."""
+
+import json
+
+import pytest
+
+import launch
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_all_reduce_benchmark(tmp_path):
+    out, png = tmp_path / "ar.json", tmp_path / "ar.png"
+    res = launch.torchrun("benchmarks/all_reduce.py", 3, ["--max-bytes", 64 << 10, "--iters", 2,
+                                                          "--json", out, "--plot", png], timeout=120)
+    assert res.returncode == 0 and res.ok_line(), res.output
+    report = json.loads(out.read_text())
+    assert (report["world_size"], report["backend"], report["device"]) == (3, "gloo", "cpu")
+    rows = report["rows"]
+    assert [r["bytes"] for r in rows] == [1024, 4096, 16384, 65536]
+    for r in rows:
+        for name in ("ring", "library"):
+            assert 0 < r[f"{name}_ms_p25"] and r[f"{name}_ms"] > 0, r
+            # busbw counts the bytes each rank sends: 2(N-1)/N = 4/3 of algbw on 3 ranks
+            assert r[f"{name}_busbw_gbps"] == pytest.approx(r[f"{name}_algbw_gbps"] * 4 / 3)
+            assert r[f"{name}_algbw_gbps"] == pytest.approx(r["bytes"] / (r[f"{name}_ms"] / 1e3) / 1e9)
+    assert png.read_bytes()[:8] == PNG
+
+
+def test_benchmark_rejects_an_unwritable_output_before_measuring(tmp_path):
+    results = launch.ranks("benchmarks/all_reduce.py", 2, ["--json", tmp_path / "no" / "such" / "dir.json"], timeout=60)
+    assert [r.returncode for r in results] == [2, 2], [r.output for r in results]
+    assert results[0].output.startswith("error: --json") and results[0].output.count("\n") == 1, results[0].output
+    assert results[1].output == ""  # one line from rank 0, nothing from the others
+
+
+def test_send_recv_benchmark(tmp_path):
+    out = tmp_path / "p2p.json"
+    res = launch.torchrun("benchmarks/send_recv.py", 2, ["--max-bytes", 4096, "--iters", 3, "--json", out], timeout=90)
+    assert res.returncode == 0 and res.ok_line(), res.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["bytes"] for r in rows] == [4, 16, 64, 256, 1024, 4096]
+    assert all(r["latency_us"] > 0 and r["bandwidth_mbps"] == pytest.approx(r["bytes"] / r["latency_us"]) for r in rows)
