@@ -51,8 +51,8 @@ def parser(doc, timeout_s=120):
     def error(message):
         raise UsageError(message)
     p.error = error
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if each local rank has a GPU")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if each rank has a GPU, else gloo")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
     p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
     return p
 

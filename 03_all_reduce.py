@@ -11,7 +11,8 @@ Its speed against dist.all_reduce, size by size: benchmarks/all_reduce.py.
 Run it (any N >= 2):
   CPU:        torchrun --nproc_per_node=2 03_all_reduce.py
   N GPUs:     torchrun --nproc_per_node=N 03_all_reduce.py        (nccl, one GPU per rank)
-  2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 03_all_reduce.py
+  2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 \\
+                  03_all_reduce.py
 """
 
 import argparse
@@ -50,8 +51,8 @@ def parser(doc, timeout_s=120):
     def error(message):
         raise UsageError(message)
     p.error = error
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if each local rank has a GPU")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if each rank has a GPU, else gloo")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
     p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
     return p
 

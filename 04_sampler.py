@@ -52,8 +52,8 @@ def parser(doc, timeout_s=120):
     def error(message):
         raise UsageError(message)
     p.error = error
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if each local rank has a GPU")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if each rank has a GPU, else gloo")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
     p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
     return p
 
@@ -225,7 +225,7 @@ def main(args):
 
 def parse_args():
     p = parser(__doc__)
-    p.add_argument("--dataset-size", type=int, default=11, help="samples in the toy dataset (try one not divisible by N)")
+    p.add_argument("--dataset-size", type=int, default=11, help="samples in the toy dataset (try N+1)")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed, shared by all ranks")
     a = p.parse_args()
     if a.dataset_size < 1:

@@ -62,8 +62,8 @@ def parser(doc, timeout_s=120):
     def error(message):
         raise UsageError(message)
     p.error = error
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if each local rank has a GPU")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if each rank has a GPU, else gloo")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
     p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
     return p
 
@@ -475,7 +475,7 @@ def train(args, device, local_rank):
         scaler.load_state_dict(ckpt["scaler"])
         start = ckpt["step"]
         if ckpt["world_size"] != WORLD:
-            print0(f"warning: checkpoint was written by {ckpt['world_size']} ranks, now {WORLD}: the data order differs")
+            print0(f"warning: checkpoint written by {ckpt['world_size']} ranks, now {WORLD}: the data order differs")
         print0(f"resumed from {ckpt_path} at step {start}")
     del ckpt
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
@@ -494,7 +494,8 @@ def train(args, device, local_rank):
     model.train()
     with profiler:
         for step in range(start, args.max_steps):
-            if step == args.crash_at_step and RANK == WORLD - 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if step == args.crash_at_step and RANK == WORLD - 1 and first_attempt:
                 log(f"--crash-at-step {step}: SIGKILL to myself (first attempt only)")
                 os.kill(os.getpid(), signal.SIGKILL)
             # Dropout (if the model has any) should differ across ranks like the data does, and a resumed run
@@ -538,8 +539,9 @@ def train(args, device, local_rank):
                 last_loss = mean.item() / WORLD
                 first_loss = last_loss if first_loss is None else first_loss
                 dt = (time.perf_counter() - t_log) / len(losses)
-                line = (f"step {step + 1:>5}/{args.max_steps} | loss {last_loss:7.4f} | lr {sched.get_last_lr()[0]:.2e} "
-                        f"| {dt * 1e3:7.1f} ms/step | {tokens_per_step / dt:9,.0f} tok/s")
+                line = (f"step {step + 1:>5}/{args.max_steps} | loss {last_loss:7.4f} "
+                        f"| lr {sched.get_last_lr()[0]:.2e} | {dt * 1e3:7.1f} ms/step "
+                        f"| {tokens_per_step / dt:9,.0f} tok/s")
                 say(line)
                 losses, t_log = [], time.perf_counter()
     bar.close()
@@ -569,7 +571,8 @@ def finish(args, tok, model, device, first_loss, last_loss):
         raise RuntimeError("replicas diverged: weights differ across ranks")
     if first_loss is not None:
         trend = "fell" if last_loss < first_loss else "did NOT fall"
-        print0(f"OK {args.impl} DDP on {WORLD} rank(s): replicas identical; loss {trend} {first_loss:.4f} -> {last_loss:.4f}")
+        print0(f"OK {args.impl} DDP on {WORLD} rank(s): replicas identical; "
+               f"loss {trend} {first_loss:.4f} -> {last_loss:.4f}")
     else:
         print0(f"OK {args.impl} DDP on {WORLD} rank(s): nothing left to train (resumed at --max-steps)")
 
@@ -593,7 +596,8 @@ def parse_args(argv=None):
     g.add_argument("--n-layer", type=int, default=4, help="default model only")
     g.add_argument("--n-embd", type=int, default=128, help="default model only")
     g.add_argument("--n-head", type=int, default=4, help="default model only")
-    g.add_argument("--dataset", default="stdlib", help="'stdlib' (Python's sources), local files/dir/glob, or a HF dataset name")
+    g.add_argument("--dataset", default="stdlib",
+                   help="'stdlib' (Python's sources), local files/dir/glob, or a HF dataset name")
     g.add_argument("--dataset-config", default=None, help="HF dataset config, e.g. wikitext-2-raw-v1")
     g.add_argument("--split", default="train", help="HF dataset split")
     g.add_argument("--text-column", default="text", help="column holding the text")
@@ -621,7 +625,8 @@ def parse_args(argv=None):
     g.add_argument("--profile", default=None, help="write a torch.profiler trace of steps 3-5 per rank here")
     g.add_argument("--prompt", default="def ", help="start of the generated sample")
     g.add_argument("--sample-tokens", type=int, default=120, help="tokens generated at the end (0: none)")
-    g.add_argument("--crash-at-step", type=int, default=-1, help="demo: SIGKILL the last rank at this step, first attempt only")
+    g.add_argument("--crash-at-step", type=int, default=-1,
+                   help="demo: SIGKILL the last rank at this step, first attempt only")
     args = p.parse_args(argv)
     for name in ("batch_size", "grad_accum", "seq_len", "max_steps", "ckpt_every", "keep_checkpoints", "log_every",
                  "n_layer", "n_embd", "n_head", "stdlib_files"):

@@ -56,8 +56,8 @@ def parser(doc, timeout_s=120):
     def error(message):
         raise UsageError(message)
     p.error = error
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if each local rank has a GPU")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if each rank has a GPU, else gloo")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
     p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
     return p
 
@@ -209,10 +209,12 @@ def main(args):
     # Same seed everywhere: one permutation, cut into disjoint shards. Validation is not shuffled; it is padded.
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
     val_sampler = DistributedSampler(val_set, shuffle=False)
-    train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, num_workers=args.workers, drop_last=True)
+    train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, num_workers=args.workers,
+                              drop_last=True)
     val_loader = DataLoader(val_set, args.batch_size, sampler=val_sampler, num_workers=args.workers)
     if len(train_loader) == 0:
-        raise UsageError(f"{len(train_set)} training samples are too few for {WORLD} ranks x --batch-size {args.batch_size}")
+        raise UsageError(f"{len(train_set)} training samples are too few for {WORLD} ranks "
+                         f"x --batch-size {args.batch_size}")
     print0(f"data: {args.dataset}, {len(train_set):,} train / {len(val_set):,} val samples, "
            f"{len(train_loader)} steps per epoch per rank")
 
@@ -223,7 +225,7 @@ def main(args):
         # over ranks (one extra collective per BN layer per step), which helps when per-GPU batches are tiny.
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn:
-        print0("note: --sync-bn ignored: SyncBatchNorm's kernels are CUDA-only; on CPU each rank keeps its own BN stats")
+        print0("note: --sync-bn ignored: SyncBatchNorm's kernels are CUDA-only; on CPU each rank keeps its BN stats")
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     total = args.epochs * len(train_loader)
@@ -255,7 +257,8 @@ def main(args):
         t0, loss_sum, seen = time.perf_counter(), torch.zeros((), device=device), 0
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", disable=RANK != 0 or not sys.stderr.isatty(), leave=False)
         for x, y in bar:
-            if step == args.crash_at_step and RANK == WORLD - 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if step == args.crash_at_step and RANK == WORLD - 1 and first_attempt:
                 log(f"--crash-at-step {step}: SIGKILL to myself (first attempt only)")
                 os.kill(os.getpid(), signal.SIGKILL)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -331,9 +334,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="checkpoint every epoch, resume from it, final model.pt")
     p.add_argument("--nproc", type=int, default=0, help="start this many local processes yourself (no torchrun)")
-    p.add_argument("--crash-at-step", type=int, default=-1, help="demo: SIGKILL the last rank at this step, first attempt only")
+    p.add_argument("--crash-at-step", type=int, default=-1,
+                   help="demo: SIGKILL the last rank at this step, first attempt only")
     a = p.parse_args(argv)
-    if min(a.epochs, a.batch_size, a.fake_size) < 1 or min(a.max_train_samples, a.max_val_samples, a.workers, a.nproc) < 0:
+    if min(a.epochs, a.batch_size, a.fake_size) < 1 or min(a.max_train_samples, a.max_val_samples, a.workers,
+                                                                 a.nproc) < 0:
         p.error("--epochs, --batch-size, --fake-size must be >= 1; sample limits, --workers, --nproc >= 0")
     if a.lr <= 0:
         p.error("--lr must be > 0")

@@ -141,8 +141,9 @@ def ranks(script, nproc, args=(), timeout=120, device="cpu", **env):
         log = tempfile.TemporaryFile(mode="w+")
         env_r = make_env(RANK=r, LOCAL_RANK=r, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc, MASTER_ADDR="127.0.0.1",
                          MASTER_PORT=port, **env)
-        procs.append((subprocess.Popen([sys.executable, str(REPO / script), *with_device(args, device)], cwd=REPO, env=env_r,
-                                       stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True), log))
+        cmd = [sys.executable, str(REPO / script), *with_device(args, device)]
+        procs.append((subprocess.Popen(cmd, cwd=REPO, env=env_r, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                       start_new_session=True), log))
     deadline, results = time.time() + timeout, []
     for proc, log in procs:
         try:

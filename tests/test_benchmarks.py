@@ -2,9 +2,8 @@
 
 import json
 
-import pytest
-
 import launch
+import pytest
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -2,10 +2,9 @@
 
 import signal
 
+import launch
 import pytest
 import torch
-
-import launch
 
 SCRIPT = "05_manual_ddp_gpt2.py"
 # A small, fast configuration: the same code paths as the default run, a fraction of the time.
@@ -75,7 +74,8 @@ def tiny_models(tmp_path_factory):
     text = root / "text"
     text.mkdir()
     for i in range(3):
-        (text / f"doc{i}.txt").write_text("".join(f"line {j} of document {i}: the quick brown fox.\n" for j in range(200)))
+        lines = (f"line {j} of document {i}: the quick brown fox.\n" for j in range(200))
+        (text / f"doc{i}.txt").write_text("".join(lines))
     return root
 
 

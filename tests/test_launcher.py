@@ -4,9 +4,8 @@ import shlex
 import subprocess
 import sys
 
-import pytest
-
 import launch
+import pytest
 
 SH = str(launch.REPO / "launch_multinode.sh")
 
@@ -23,7 +22,7 @@ def test_no_arguments_prints_usage_and_example():
 @pytest.mark.parametrize("args,message", [
     (["--nodes", "0", "--nproc-per-node", "1", "--master-addr", "h"], "--nodes must be an integer >= 1"),
     (["--nodes", "2", "--nproc-per-node", "1"], "--master-addr is required"),
-    (["--nodes", "2", "--nproc-per-node", "1", "--master-addr", "h", "--script", "nope.py"], "'nope.py' does not exist"),
+    (["--nodes", "2", "--nproc-per-node", "1", "--master-addr", "h", "--script", "no.py"], "'no.py' does not exist"),
     (["--nodes", "2", "--nproc-per-node", "x", "--master-addr", "h"], "--nproc-per-node must be an integer"),
     (["--bogus"], "unknown argument '--bogus'"),
 ])

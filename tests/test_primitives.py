@@ -2,10 +2,9 @@
 
 import itertools
 
+import launch
 import pytest
 import torch.utils.data
-
-import launch
 
 SCRIPTS = {
     "01_send_recv.py": [],

@@ -5,7 +5,6 @@ import re
 
 import pytest
 import torch
-
 from conftest import REPO, load_script
 
 SCRIPTS = sorted(p.name for p in REPO.glob("0[0-9]_*.py"))
@@ -72,8 +71,10 @@ def test_device_choice(given, expected):
 
 def test_cpu_path_never_asks_cuda(monkeypatch):
     """--device cpu decides without touching CUDA, and a process group of one runs without torchrun."""
+    def refuse(*args):
+        pytest.fail("torch.cuda was asked on the CPU path")
     for name in ("device_count", "is_available", "set_device"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a: pytest.fail(f"torch.cuda.{name} called on the CPU path"))
+        monkeypatch.setattr(torch.cuda, name, refuse)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     lesson = load_script("05_manual_ddp_gpt2.py")

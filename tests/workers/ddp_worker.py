@@ -76,7 +76,7 @@ def check_training(steps=4):
         # Reference: one process sees every rank's shard; DDP's gradient is the mean of per-rank means.
         loss = sum(loss_of(ref, shard(step, r), use_extra=(r == 0)) for r in range(WORLD)) / WORLD
         loss.backward()
-        for name, wrapped in [("manual", manual), ("naive", naive_ddp), ("torch", torch_ddp)]:
+        for wrapped in (manual, naive_ddp, torch_ddp):
             loss_of(wrapped, shard(step, RANK), use_extra=(RANK == 0)).backward()
         close(grads(ours), grads(ref), f"step {step}: manual vs single process")
         close(grads(ours), grads(theirs), f"step {step}: manual vs torch DDP")
@@ -106,10 +106,10 @@ def check_bucket_layout():
         theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap)
         sizes = {}
 
-        def record(state, bucket):  # a comm hook sees each bucket's flat buffer
+        def record(sizes, bucket):  # a comm hook sees each bucket's flat buffer
             sizes[bucket.index()] = bucket.buffer().numel() * bucket.buffer().element_size()
             return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
-        theirs.register_comm_hook(None, record)
+        theirs.register_comm_hook(sizes, record)
         for _ in range(3):  # PyTorch's DDP settles its buckets after the first iteration
             sizes.clear()
             for model in (ours, theirs):
