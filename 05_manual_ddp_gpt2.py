@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import functools
 import glob
+import itertools
 import math
 import os
 import shutil
@@ -35,6 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 # --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
 RANK, WORLD = 0, 1
@@ -134,84 +136,173 @@ def run(main, parse_args):
 
 # --- the idea: DDP by hand ---
 class _Bucket:
-    def __init__(self, params):
-        self.params = params
-        self.numels = [p.numel() for p in params]
-        self.flat = torch.zeros(sum(self.numels), dtype=params[0].dtype, device=params[0].device)
-        self.views = [v.view_as(p) for v, p in zip(self.flat.split(self.numels), params)]
-        self.ready = [False] * len(params)
-        self.pending = len(params)  # gradients still to come this backward; 0 = ready to all-reduce
-        self.work = None
+    """One flat gradient buffer shared by several parameters. It also offers what a DDP communication hook
+    reads from torch.distributed.GradBucket, so hooks written for PyTorch's DDP run on it unchanged."""
+
+    def __init__(self, params, index, count):
+        self.params, self._index, self._count = params, index, count
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        self._buffer = self.flat
+        self.views = self.gradients()  # parameter i's .grad IS views[i]: no copy in, no copy out
+        self.ready, self.pending, self.future = [False] * len(params), len(params), None
+
+    def buffer(self):
+        return self._buffer
+
+    def set_buffer(self, tensor):
+        self._buffer = tensor
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._index == self._count - 1
+
+    def parameters(self):
+        return self.params
+
+    def gradients(self):
+        offsets = itertools.accumulate([p.numel() for p in self.params], initial=0)
+        return [self._buffer[o:o + p.numel()].view_as(p) for o, p in zip(offsets, self.params)]
 
 
-class ManualDDP(nn.Module):
-    """Data parallelism from primitives: after ``loss.backward()`` every ``.grad`` is the mean over ranks."""
+def bucket_layout(params, order, caps):
+    """Cut parameters (taken in `order`) into buckets as DDP does: a running bucket per dtype and device is closed
+    once it holds caps[0] bytes; later buckets of that kind use the next cap in the list (the last one repeats)."""
+    running, done = {}, []
+    for i in order:
+        kind = (params[i].dtype, params[i].device)  # one bucket holds one dtype on one device
+        indices, size, k = running.get(kind, ([], 0, 0))
+        indices.append(i)
+        size += params[i].numel() * params[i].element_size()
+        running[kind] = (indices, size, k)
+        if size >= caps[min(k, len(caps) - 1)]:
+            done.append(indices)
+            running[kind] = ([], 0, k + 1)
+    return done + [indices for indices, _, _ in running.values() if indices]
 
-    def __init__(self, module, bucket_cap_mb=None, verify=False, naive=False):
+
+class ManualDDP(nn.Module, Joinable):
+    """torch.nn.parallel.DistributedDataParallel by hand: after loss.backward() every .grad is the group's mean.
+
+    Takes DDP's arguments, with DDP's defaults and meanings. Where the design makes one moot, it says so here:
+    gradients always live in the buckets, so gradient_as_bucket_view and batched_grad_copy change nothing
+    (the mean is taken as DDP's default path takes it: times 1/N); dim and check_reduction are unused, as in DDP
+    for one device per process; mixed_precision (DDP's experimental, private _MixedPrecision) is not
+    implemented: use torch.autocast. Ours: verify=True checks the replicas are identical instead of broadcasting.
+    """
+
+    def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None, init_sync=True,
+                 process_group=None, bucket_cap_mb=None, find_unused_parameters=False, check_reduction=False,
+                 gradient_as_bucket_view=False, static_graph=False, delay_all_reduce_named_params=None,
+                 param_to_hook_all_reduce=None, mixed_precision=None, device_mesh=None,
+                 skip_all_reduce_unused_params=False, bucket_cap_mb_list=None, batched_grad_copy=False,
+                 forward_sync_buffers=None, *, verify=False):
         super().__init__()
-        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        self.module, self.naive, self.world = module, naive, dist.get_world_size()
-        state = list(module.parameters()) + list(module.buffers())
+        Joinable.__init__(self)
+        if mixed_precision is not None:
+            raise NotImplementedError("ManualDDP has no mixed_precision=: use torch.autocast around forward")
+        if process_group is not None and device_mesh is not None:
+            raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+        if device_mesh is not None and device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+            raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set together.")
+        for cap in [bucket_cap_mb] + list(bucket_cap_mb_list or []):
+            if cap is not None and not cap > 0:
+                raise ValueError(f"bucket sizes must be positive, got {cap}")
+        group = device_mesh.get_group(0) if device_mesh is not None else process_group
+        self.process_group = group or dist.group.WORLD
+        self.module, self.dim, self.static_graph = module, dim, static_graph
+        self.find_unused_parameters, self.gradient_as_bucket_view = find_unused_parameters, gradient_as_bucket_view
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        # As in DDP 2.14: forward_sync_buffers, if given, wins; else broadcast_buffers (default True) rules both the
+        # broadcast at construction and the one before every forward.
+        self.forward_sync_buffers = forward_sync_buffers
+        if forward_sync_buffers is None:
+            self.forward_sync_buffers = broadcast_buffers is not False
+        self.require_backward_grad_sync = self.require_forward_param_sync = True
+        # Parameters and buffers DDP is told to leave alone (DDP._set_params_and_buffers_to_ignore_for_model).
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        delayed = dict(delay_all_reduce_named_params or [])
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored | set(delayed)]
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self._ignored = ignored
+        devices = {p.device for p in self.params} | {p.device for p in delayed.values()}
+        if not devices:
+            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any parameter "
+                               "that requires a gradient.")
+        self.device = next(iter(devices))
+        self.device_ids, self.output_device = self._check_device_ids(device_ids, output_device, devices)
+        self.world = dist.get_world_size(self.process_group)
         if verify:
-            self._check_identical(state)
+            self._check_identical(self.params + list(delayed.values()) + self.buffers_to_sync)
+        elif init_sync:
+            # Replicas must start identical: the same averaged gradient applied to different weights would keep
+            # them different forever. The group's first rank wins.
+            state = self.params + list(delayed.values())
+            self._broadcast(state + (self.buffers_to_sync if broadcast_buffers is not False else []), src=0)
+
+        # Buckets. DDP's rule: a first iteration with all parameters in ONE bucket, in parameter order: that order
+        # is only a guess of the order backward produces gradients. The first backward reveals the real one; the
+        # buckets are rebuilt once in that order, before the next forward (static_graph: one iteration later).
+        # With find_unused_parameters the graph may change, so the buckets are cut by size once and kept.
+        mib = 1 << 20
+        if bucket_cap_mb_list:
+            self._caps = self._first_caps = [int(c * mib) for c in bucket_cap_mb_list]
         else:
-            # Replicas must start identical: the same averaged gradient applied to different weights would
-            # keep them different forever. Rank 0's values win.
-            with torch.no_grad():
-                for t in state:
-                    dist.broadcast(t, src=0)
-        # parameters() yields a shared (tied) tensor once, so GPT-2's embedding/head is reduced once.
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        # Buckets in REVERSE registration order: backward produces gradients roughly from the last layer to
-        # the first, so the first bucket fills first and its all-reduce can start while backward goes on.
-        # PyTorch's sizes: by default (None) 25 MiB, but the first bucket only 1 MiB so that communication
-        # starts early; an explicit bucket_cap_mb applies to every bucket. A bucket closes once it reaches its
-        # cap, so it may exceed it by one tensor (and a tensor larger than the cap gets a bucket of its own).
-        caps = [1, 25] if bucket_cap_mb is None else [bucket_cap_mb]
-        self.buckets, cur, size = [], [], 0
-        for p in reversed(self.params) if not naive else []:  # naive mode reduces .grad itself: no buckets
-            if cur and (p.dtype != cur[0].dtype or p.device != cur[0].device):  # one dtype/device per bucket
-                self.buckets.append(_Bucket(cur))
-                cur, size = [], 0
-            cur.append(p)
-            size += p.numel() * p.element_size()
-            if size >= caps[min(len(self.buckets), len(caps) - 1)] * 2**20:
-                self.buckets.append(_Bucket(cur))
-                cur, size = [], 0
-        if cur:
-            self.buckets.append(_Bucket(cur))
-        self.require_sync, self._queued, self._next = True, False, 0
-        # One hook per parameter, bound to its bucket and slot so that it needs no lookup (naive: no buckets).
-        slots = [(None, None, p) for p in self.params] if naive else [
-            (b, i, p) for b in self.buckets for i, p in enumerate(b.params)]
-        for b, i, p in slots:
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b, i))
+            cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * mib)
+            # A small first bucket, 1 MiB, only with the default size: its all-reduce starts early in backward.
+            self._caps = [mib if bucket_cap_mb is None else cap, cap]
+            if static_graph or not find_unused_parameters:
+                self._first_caps = [sys.maxsize]
+            else:
+                self._first_caps = self._caps if bucket_cap_mb is None else [cap]
+        first = bucket_layout(self.params, range(len(self.params)), self._first_caps)
+        self._set_buckets(sorted(first, key=min, reverse=True))  # DDP reverses: last parameters' bucket first
+        self._rebuilt = find_unused_parameters and not static_graph  # never rebuilt then
+        self._order, self._syncs, self._queued, self._next, self._hook = [], 0, False, 0, None
+        self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
+        self._hook_counts = [0] * len(self.params)  # static_graph: hooks per parameter seen in the first backward
+        self._divisor, self._divide_by_initial, self._fresh = self.world, True, set()
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
+        # delay_all_reduce_named_params: one bucket of its own, sent when param_to_hook_all_reduce's gradient is
+        # computed (for parameters another parallelism treats first).
+        self._delayed = _Bucket(list(delayed.values()), -1, 0) if delayed else None
+        if delayed:
+            param_to_hook_all_reduce.register_hook(self._launch_delayed)
 
-    def _check_identical(self, state):
-        differs = torch.zeros(1, device=state[0].device)
-        for t in state:
-            ref = t.detach().clone()
-            dist.broadcast(ref, src=0)
-            differs += 0 if torch.equal(ref, t.detach()) else 1
-        # Agree on the verdict first: if only some ranks raised, the others would wait in the next collective.
-        dist.all_reduce(differs, op=dist.ReduceOp.MAX)
-        if differs.item():
-            raise ValueError("ManualDDP(verify=True): model replicas differ across ranks; seed model creation "
-                             "identically on every rank (torch.manual_seed before building it)")
-
-    def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled() and not self.naive:
+    # -- the hot path: forward, a hook per parameter, the end of backward --
+    def forward(self, *inputs, **kwargs):
+        notified = Join.notify_join_context(self)  # inside join(): an all-reduce counting the ranks still training
+        if notified is not None and not self._divide_by_initial:
+            self._divisor = int(notified.get_future().wait()[0].item())
+        if torch.is_grad_enabled():
+            self._maybe_rebuild()
             self._grads_into_buckets()
-        return self.module(*args, **kwargs)
+        if self.require_forward_param_sync and self.forward_sync_buffers and self.buffers_to_sync:
+            self._sync_buffers()
+        if self._join_config.enable:  # tell ranks that have joined whether this backward will communicate
+            dist.all_reduce(torch.tensor([float(self.require_backward_grad_sync)], device=self.device),
+                            group=self.process_group, async_op=True)
+        if self.device_ids:  # as DDP: inputs move to this process's GPU
+            inputs, kwargs = _to_device((inputs, kwargs), torch.device(self.device.type, self.device_ids[0]))
+        output = self.module(*inputs, **kwargs)
+        # Buffers are broadcast before the forward after a synced one (as DDP: not after no_sync forwards).
+        self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        return output
 
     def _grads_into_buckets(self):
         """Make every missing .grad a zeroed view of its bucket, so that backward writes straight into it."""
         # Autograd adds a new gradient INTO an existing .grad, in place; only a missing one (None, as after
         # optimizer.zero_grad()) gets a fresh tensor. With .grad already a view of the bucket there is
         # nothing to copy in and nothing to copy back (PyTorch's DDP copies in, then out again by default).
-        for b in self.buckets:
+        self._fresh = set()  # parameters whose .grad this forward created (find_unused: None again if no rank used it)
+        for b in self.buckets + ([self._delayed] if self._delayed else []):
             missing = [i for i, p in enumerate(b.params) if p.grad is None]
+            if b is not self._delayed:
+                self._fresh.update(self.layout[b.index()][i] for i in missing)
             if len(missing) == len(b.params):
                 b.flat.zero_()  # the usual case: one fill for the whole bucket
             else:  # only some were set to None: keep the gradients the others hold
@@ -220,74 +311,289 @@ class ManualDDP(nn.Module):
             for i in missing:
                 b.params[i].grad = b.views[i]
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally, with no communication; the next synced backward averages the sum."""
-        before, self.require_sync = self.require_sync, False
-        try:
-            yield
-        finally:
-            self.require_sync = before
-
-    def _on_grad_ready(self, bucket, i, p):
-        """Runs inside backward, right after autograd added p's gradient into p.grad (slot i of bucket)."""
-        if not self.require_sync:
+    def _on_grad_ready(self, i, p):
+        """Runs inside backward, right after autograd added parameter i's gradient into p.grad."""
+        if self.find_unused_parameters:
+            self._used[i] = 1  # used since the last sync (no_sync micro-steps count too)
+        if not self.require_backward_grad_sync:
+            return  # accumulating locally: no communication at all
+        self._queue_finish()
+        if self.static_graph and self._syncs == 0:
+            self._hook_counts[i] += 1  # the first backward only counts (reentrant checkpointing fires twice)
             return
+        if self.static_graph:
+            self._left[i] -= 1
+            if self._left[i] > 0:
+                return  # this gradient is not complete yet
+        bucket, slot = self._where[i]
+        if bucket.ready[slot]:
+            raise RuntimeError(f"ManualDDP: the gradient of {self.names[i]} became ready twice in one backward "
+                               "(reentrant activation checkpointing of a module also used outside it?). Use "
+                               "torch.utils.checkpoint(..., use_reentrant=False), or static_graph=True.")
+        if not self._rebuilt and (self._syncs == 0 or self.static_graph):
+            self._order.append(i)  # the order in which backward really produces gradients
+        self._mark_ready(bucket, slot)
+        self._launch_ready()
+
+    def _queue_finish(self):
         if not self._queued:  # first gradient of this backward: run _finish once the whole backward is done
             self._queued = True
+            self._left = list(self._hook_counts)
+            # The autograd engine's queue_callback is a private API; PyTorch's own DDP relies on it too.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        if self.naive:
-            return
-        if p.grad is not bucket.views[i]:  # rare: backward did not write into the bucket (see _adopt)
-            self._adopt(bucket, i)
-        bucket.ready[i] = True
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_ready()
 
-    def _adopt(self, bucket, i):
-        """Put p's gradient into its bucket slot and make .grad that slot again."""
-        # Only when forward did not run through this wrapper, a .grad was replaced (create_graph=True does)
-        # or a parameter got no gradient on this rank: then it counts as zero in the mean.
-        p, view = bucket.params[i], bucket.views[i]
-        if p.grad is None:
+    def _mark_ready(self, bucket, slot):
+        p, view = bucket.params[slot], bucket.views[slot]
+        if p.grad is None:  # no gradient on this rank (an unused parameter): it counts as zero in the mean
+            self._fresh.add(self.layout[bucket.index()][slot])
             view.zero_()
         elif p.grad.data_ptr() != view.data_ptr():
+            # Backward did not write into the slot (forward bypassed the wrapper, create_graph=True, or the
+            # user replaced .grad): copy it in.
             view.copy_(p.grad)
         p.grad = view
+        bucket.ready[slot] = True
+        bucket.pending -= 1
 
     def _launch_ready(self):
         # Launch strictly in bucket order, on every rank alike: collectives are matched by the order in which
         # ranks issue them, and gradients may arrive in a different order on different ranks.
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             b = self.buckets[self._next]
-            # Divide BEFORE the sum: N fp16/bf16 gradients added up could overflow where their mean would not.
-            # One multiply per bucket (cheaper than a division); its data was just written, so it is in cache.
-            if self.world > 1:
-                b.flat.mul_(1 / self.world)
-            b.work = dist.all_reduce(b.flat, async_op=True)  # SUM of grad/N = mean; returns at once
+            # skip_all_reduce_unused_params: a bucket no parameter of which was used here is not sent (every rank
+            # must then skip the same buckets, as DDP requires too).
+            if not (self.skip_all_reduce_unused_params and not self._used[self.layout[b.index()]].any()):
+                self._launch(b)
             self._next += 1
 
-    def _finish(self):
-        """End of backward: flush buckets whose gradients never came (unused parameters), then wait."""
-        self._queued = False
-        if self.naive:  # the classic tutorial: one blocking all-reduce per parameter, after backward
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-                p.grad.div_(self.world)
+    def _launch(self, b):
+        b.set_buffer(b.flat)
+        if self._hook is not None:  # a communication hook decides how to average (it divides, not us)
+            b.future = self._hook[1](self._hook[0], b)
             return
+        # Divide BEFORE the sum, as DDP does: N fp16/bf16 gradients added up could overflow where their mean would
+        # not. One multiply per bucket by 1/N (DDP multiplies too), on data just written, so still in cache.
+        if self._divisor > 1:
+            b.flat.mul_(1 / self._divisor)
+        b.future = dist.all_reduce(b.flat, group=self.process_group, async_op=True).get_future()
+
+    def _finish(self):
+        """End of backward: flush buckets whose gradients never came, wait for every bucket, clean up."""
+        self._queued = False
         for b in self.buckets[self._next:]:
-            for i, ready in enumerate(b.ready):
-                if not ready:
-                    self._adopt(b, i)
-                    b.ready[i], b.pending = True, b.pending - 1
+            for slot, ready in enumerate(b.ready):
+                if not ready:  # unused on this rank (or, with static_graph, the first backward)
+                    self._mark_ready(b, slot)
         self._launch_ready()
-        for b in self.buckets:
-            b.work.wait()  # after this, every .grad (a view of its bucket) holds the mean over ranks
-            b.ready, b.pending, b.work = [False] * len(b.params), len(b.params), None
-        self._next = 0
+        if self.find_unused_parameters:
+            dist.all_reduce(self._used, group=self.process_group)  # which parameters some rank used
+        for b in self.buckets + ([self._delayed] if self._delayed and self._delayed.future else []):
+            if b.future is not None:
+                result = b.future.wait()
+                result = result[0] if isinstance(result, list) else result
+                if result.data_ptr() != b.flat.data_ptr():  # a hook may return another tensor: take its values
+                    b.flat.copy_(result)
+            b.ready, b.pending, b.future = [False] * len(b.params), len(b.params), None
+        if self.find_unused_parameters:  # as DDP: a parameter no rank used keeps .grad untouched (None)
+            for i in (self._used == 0).nonzero().flatten().tolist():
+                if i in self._fresh:
+                    self.params[i].grad = None
+            self._used.zero_()
+        self._syncs, self._next = self._syncs + 1, 0
+
+    # -- the buckets' layout, rebuilt once from the observed order --
+    def _set_buckets(self, layout):
+        grads = [p.grad for p in self.params]
+        self.buckets = [_Bucket([self.params[i] for i in idx], k, len(layout)) for k, idx in enumerate(layout)]
+        self.layout = [list(idx) for idx in layout]
+        self._where = [None] * len(self.params)
+        for b, idx in zip(self.buckets, layout):
+            for slot, i in enumerate(idx):
+                self._where[i] = (b, slot)
+                if grads[i] is not None:  # carry accumulated gradients over into the new buckets
+                    b.views[slot].copy_(grads[i])
+                    self.params[i].grad = b.views[slot]
+
+    def _maybe_rebuild(self):
+        if self._rebuilt or not self._order:
+            return
+        # Ready order as observed, then anything that never fired (unused) in parameter order. Every rank takes
+        # the group's first rank's order: the buckets must be the same everywhere.
+        order = self._order + [i for i in range(len(self.params)) if i not in set(self._order)]
+        order = torch.tensor(order, dtype=torch.int64, device=self.device)
+        dist.broadcast(order, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        self._set_buckets(bucket_layout(self.params, order.tolist(), self._caps))
+        self._rebuilt = True
+
+    # -- the drop-in surface: constructor checks, no_sync, buffers, communication hooks, join --
+    def _check_device_ids(self, device_ids, output_device, devices):
+        if device_ids is not None and len(device_ids) > 1:
+            raise ValueError("device_ids can only be None or contain a single element.")
+        if not device_ids or self.device.type == "cpu" or len(devices) > 1:
+            if device_ids or output_device is not None:
+                raise ValueError("DistributedDataParallel device_ids and output_device arguments only work with "
+                                 "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
+                                 f"{device_ids}, output_device {output_device}, and module parameters {devices}.")
+            return None, None
+        index = [torch.device(self.device.type, d).index if isinstance(d, int) else torch.device(d).index
+                 for d in device_ids]
+        out = index[0] if output_device is None else torch.device(self.device.type, output_device).index
+        return index, out
+
+    @property
+    def buffers_to_sync(self):
+        """Looked up anew each time: a module may replace its buffers (DDP does the same)."""
+        return [b for n, b in self.module.named_buffers() if n not in self._ignored]
+
+    @property
+    def broadcast_buffers(self):
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value):
+        self.forward_sync_buffers = value
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally, with no communication; the next synced backward averages the sum."""
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    def will_sync_module_buffers(self):
+        return self.require_forward_param_sync and self.forward_sync_buffers and len(self.buffers_to_sync) > 0
+
+    def _broadcast(self, tensors, src):
+        """Broadcast tensors of any dtypes from the group's rank src, their bytes packed into few messages."""
+        groups, size = [[]], 0
+        for t in tensors:  # up to 250 MiB a message, as DDP: large models need no second full copy
+            if size >= 250 << 20:
+                groups, size = groups + [[]], 0
+            groups[-1].append(t)
+            size += t.numel() * t.element_size()
+        with torch.no_grad():
+            for group in filter(None, groups):
+                flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in group])
+                dist.broadcast(flat, src=dist.get_global_rank(self.process_group, src), group=self.process_group)
+                for t, chunk in zip(group, flat.split([t.numel() * t.element_size() for t in group])):
+                    t.copy_(chunk.view(t.dtype).view_as(t))
+
+    def _sync_buffers(self, joined=False):
+        """Rank 0's buffers (BatchNorm statistics...) to every rank, as DDP does before each forward."""
+        src = 0
+        if self._join_config.enable:  # rank 0 may have joined and hold stale buffers: take a rank still training
+            src = self._common_rank(not joined)
+        self._broadcast(self.buffers_to_sync, src)
+
+    def _common_rank(self, candidate):
+        rank = torch.tensor([dist.get_rank(self.process_group) if candidate else -1], device=self.device)
+        dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.process_group)
+        return int(rank.item())
+
+    def _launch_delayed(self, grad):
+        if not self.require_backward_grad_sync:
+            return grad
+        self._queue_finish()
+        self._delayed.flat.mul_(1 / self._divisor)
+        work = dist.all_reduce(self._delayed.flat, group=self.process_group, async_op=True)
+        self._delayed.future = work.get_future()
+        return grad
+
+    def register_comm_hook(self, state, hook):
+        """DDP's contract: hook(state, bucket) -> torch.futures.Future[Tensor] with the bucket's averaged values."""
+        if not callable(hook):
+            raise TypeError("Communication hook must be callable.")
+        if self._hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self._hook = (state, hook)
+
+    def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
+        """Uneven inputs: a rank out of data shadows the others' collectives with zeros until all are done."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs):
+        return _JoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self):
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
+
+    def _check_identical(self, state):
+        differs = torch.zeros(1, device=self.device)
+        for t in state:
+            ref = t.detach().clone()
+            dist.broadcast(ref, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+            differs += 0 if torch.equal(ref, t.detach()) else 1
+        # Agree on the verdict first: if only some ranks raised, the others would wait in the next collective.
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=self.process_group)
+        if differs.item():
+            raise ValueError("ManualDDP(verify=True): model replicas differ across ranks; seed model creation "
+                             "identically on every rank (torch.manual_seed before building it)")
+
+
+class _JoinHook(JoinHook):
+    """A rank that ran out of data mirrors every collective the others still issue, with zeros for gradients."""
+
+    def __init__(self, ddp, divide_by_initial_world_size):
+        self.ddp = ddp
+        ddp._divide_by_initial = divide_by_initial_world_size
+
+    def main_hook(self):
+        ddp = self.ddp
+        ddp._maybe_rebuild()
+        if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp.buffers_to_sync:
+            ddp._sync_buffers(joined=True)
+        flag = torch.zeros(1, device=ddp.device)  # will the others synchronize this backward?
+        dist.all_reduce(flag, group=ddp.process_group)
+        ddp.require_forward_param_sync = bool(flag.item())
+        if not flag.item():
+            return
+        for b in ddp.buckets:
+            b.flat.zero_()
+            ddp._launch(b)
+        for b in ddp.buckets:
+            if b.future is not None:
+                b.future.wait()
+                b.future = None
+        if ddp.find_unused_parameters:
+            dist.all_reduce(torch.zeros_like(ddp._used), group=ddp.process_group)
+        if not ddp._rebuilt and not ddp._order:
+            ddp._order = list(range(len(ddp.params)))  # as DDP: a joined rank offers parameter order
+
+    def post_hook(self, is_last_joiner):
+        """Everyone ends with the model of a rank that trained last."""
+        ddp = self.ddp
+        src = ddp._common_rank(is_last_joiner)
+        ddp._broadcast(ddp.params + (ddp.buffers_to_sync if ddp.forward_sync_buffers else []), src)
+
+
+def _to_device(obj, device):
+    """The tensors in nested tuples, lists and dicts, moved to device."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def average_gradients(model, world):
+    """--impl naive, the classic tutorial: after backward, one blocking all-reduce per parameter. Correct, but each
+    message pays the full latency and nothing overlaps backward (benchmarks/ddp_step.py measures the cost)."""
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
 
 
 # --- data: a tokenizer and a corpus that need no download ---
@@ -441,10 +747,16 @@ def lr_factor(step, args):
 
 
 def wrap(model, impl, args, device):
-    if impl == "torch":  # PyTorch's own, for comparison: same bucket size, no unused-parameter search
-        return nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_cap_mb)
-    return ManualDDP(model, bucket_cap_mb=args.bucket_cap_mb, naive=impl == "naive")
+    """The model as each --impl trains it: ours, PyTorch's (same bucket size) or the naive tutorial's."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    if impl == "torch":
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)
+    if impl == "manual":
+        return ManualDDP(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)
+    with torch.no_grad():  # naive: start from rank 0's weights, then average after every backward (see train)
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t, src=0)
+    return model
 
 
 # --- training ---
@@ -504,14 +816,17 @@ def train(args, device, local_rank):
             step_loss = torch.zeros((), device=device)
             for micro in range(args.grad_accum):
                 batch = next(batches).to(device, non_blocking=True)
-                # Accumulate locally on all but the last micro-batch: one all-reduce per optimizer step.
-                sync = contextlib.nullcontext() if micro == args.grad_accum - 1 else ddp.no_sync()
-                with sync:
-                    with autocast():
-                        logits = ddp(input_ids=batch[:, :-1]).logits
-                    loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-                    scaler.scale(loss / args.grad_accum).backward()
+                # Accumulate locally on all but the last micro-batch: one all-reduce per optimizer step. (The
+                # attribute no_sync() sets; written directly, as nanoGPT does, it reads as the schedule it is.)
+                if args.impl != "naive":
+                    ddp.require_backward_grad_sync = micro == args.grad_accum - 1
+                with autocast():
+                    logits = ddp(input_ids=batch[:, :-1]).logits
+                loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+                scaler.scale(loss / args.grad_accum).backward()
                 step_loss += loss.detach() / args.grad_accum
+            if args.impl == "naive":
+                average_gradients(model, WORLD)
             # Here every .grad already holds the mean over ranks, so clipping sees the global gradient and
             # every rank clips by the same factor. Under fp16 the gradients must be unscaled first.
             if args.max_grad_norm > 0:
