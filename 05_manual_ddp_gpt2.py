@@ -278,14 +278,15 @@ class ManualDDP(nn.Module, Joinable):
         notified = Join.notify_join_context(self)  # inside join(): an all-reduce counting the ranks still training
         if notified is not None and not self._divide_by_initial:
             self._divisor = int(notified.get_future().wait()[0].item())
-        if torch.is_grad_enabled():
-            self._maybe_rebuild()
-            self._grads_into_buckets()
-        if self.require_forward_param_sync and self.forward_sync_buffers and self.buffers_to_sync:
-            self._sync_buffers()
         if self._join_config.enable:  # tell ranks that have joined whether this backward will communicate
             dist.all_reduce(torch.tensor([float(self.require_backward_grad_sync)], device=self.device),
                             group=self.process_group, async_op=True)
+        if torch.is_grad_enabled():
+            if self.require_backward_grad_sync:  # not in no_sync micro-steps: those stay free of communication
+                self._maybe_rebuild()
+            self._grads_into_buckets()
+        if self.require_forward_param_sync and self.forward_sync_buffers and self.buffers_to_sync:
+            self._sync_buffers()
         if self.device_ids:  # as DDP: inputs move to this process's GPU
             inputs, kwargs = _to_device((inputs, kwargs), torch.device(self.device.type, self.device_ids[0]))
         output = self.module(*inputs, **kwargs)
@@ -547,11 +548,12 @@ class _JoinHook(JoinHook):
 
     def main_hook(self):
         ddp = self.ddp
-        ddp._maybe_rebuild()
-        if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp.buffers_to_sync:
-            ddp._sync_buffers(joined=True)
         flag = torch.zeros(1, device=ddp.device)  # will the others synchronize this backward?
         dist.all_reduce(flag, group=ddp.process_group)
+        if flag.item():
+            ddp._maybe_rebuild()
+        if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp.buffers_to_sync:
+            ddp._sync_buffers(joined=True)
         ddp.require_forward_param_sync = bool(flag.item())
         if not flag.item():
             return
@@ -583,6 +585,21 @@ def _to_device(obj, device):
     if isinstance(obj, dict):
         return {k: _to_device(v, device) for k, v in obj.items()}
     return obj
+
+
+def bf16_compress_hook(process_group, bucket):
+    """A DDP communication hook, by hand: each bucket travels as bfloat16, half the bytes of float32.
+
+    Divide first (in float32: a sum of fp16/bf16 gradients could overflow where their mean would not), cast,
+    all-reduce the sum, and cast back into the bucket. Runs on ManualDDP and on PyTorch's DDP alike.
+    """
+    group = process_group or dist.group.WORLD
+    compressed = bucket.buffer().div(group.size()).to(torch.bfloat16)
+    sent = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut):
+        return bucket.buffer().copy_(fut.value()[0])
+    return sent.then(decompress)
 
 
 def average_gradients(model, world):

@@ -17,13 +17,6 @@ def weights(path):
     return AutoModelForCausalLM.from_pretrained(path).state_dict()
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_manual_ddp_equals_single_process_and_torch_ddp(nproc):
-    res = launch.run(launch.torchrun_cmd("tests/workers/ddp_worker.py", nproc), timeout=180)
-    assert not res.timed_out and res.returncode == 0, res.output
-    assert res.ok_line(), res.output
-
-
 def test_default_run_is_offline_and_loss_falls():
     # The default model, tokenizer and data set, with fewer steps than the 300 of the real default.
     res = launch.torchrun(SCRIPT, 2, ["--max-steps", "80", "--warmup-steps", "10", "--log-every", "20"], timeout=300)
