@@ -2,8 +2,9 @@
 
 import json
 
-import launch
 import pytest
+
+import launch
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

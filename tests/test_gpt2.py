@@ -2,9 +2,10 @@
 
 import signal
 
-import launch
 import pytest
 import torch
+
+import launch
 
 SCRIPT = "05_manual_ddp_gpt2.py"
 # A small, fast configuration: the same code paths as the default run, a fraction of the time.
@@ -51,8 +52,9 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     """A GPT-2 and a Llama saved with save_pretrained, with the script's byte tokenizer, and local text."""
-    from conftest import load_script
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from conftest import load_script
     root = tmp_path_factory.mktemp("models")
     tok = load_script(SCRIPT).byte_tokenizer()
     cfgs = {

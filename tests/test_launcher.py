@@ -4,8 +4,9 @@ import shlex
 import subprocess
 import sys
 
-import launch
 import pytest
+
+import launch
 
 SH = str(launch.REPO / "launch_multinode.sh")
 

@@ -2,9 +2,10 @@
 
 import itertools
 
-import launch
 import pytest
 import torch.utils.data
+
+import launch
 
 SCRIPTS = {
     "01_send_recv.py": [],

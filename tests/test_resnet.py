@@ -3,10 +3,11 @@
 import re
 import struct
 
-import launch
 import numpy as np
 import pytest
 import torch
+
+import launch
 
 SCRIPT = "06_torch_ddp_resnet.py"
 FAKE = ["--dataset", "fake", "--fake-size", "64", "--batch-size", "8", "--epochs", "2"]

@@ -5,6 +5,7 @@ import re
 
 import pytest
 import torch
+
 from conftest import REPO, load_script
 
 SCRIPTS = sorted(p.name for p in REPO.glob("0[0-9]_*.py"))
