@@ -21,6 +21,7 @@ Run it (the default trains a small GPT-2 offline on Python's own standard librar
 
 import argparse
 import contextlib
+import fcntl
 import functools
 import glob
 import itertools
@@ -37,6 +38,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+# --- settings beyond the flags ---
+ADAMW_BETAS = (0.9, 0.95)  # GPT-2's (and nanoGPT's); PyTorch's default 0.999 reacts slower to a changing loss
+LR_FLOOR = 0.1  # the cosine schedule ends at this fraction of --lr
+SEED_STRIDE = 7919  # dropout seed = seed + stride * step + rank: a prime, so no two (step, rank) pairs share one
+SAMPLE_TOP_K, SAMPLE_TEMPERATURE = 20, 0.8  # the generated sample at the end
 
 # --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
 RANK, WORLD = 0, 1
@@ -701,8 +708,9 @@ def build_model(args):
         try:
             tok = AutoTokenizer.from_pretrained(args.model)
             model = AutoModelForCausalLM.from_pretrained(args.model).float()  # fp32 master weights
-        except OSError as e:
-            raise UsageError(f"cannot load --model {args.model!r}: {str(e).splitlines()[0]}") from None
+        except Exception as e:  # missing, empty, corrupt weights, a broken config: one line, on every rank alike
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise UsageError(f"cannot load --model {args.model!r}: {reason}") from None
     else:
         tok = byte_tokenizer()
         # The same seed on every rank gives identical replicas before any broadcast; ManualDDP broadcasts
@@ -718,21 +726,66 @@ def build_model(args):
     return tok, model
 
 
+def claim(out):
+    """Global rank 0 takes --out for this run, or every rank stops: two runs writing one --out would prune and
+    overwrite each other's checkpoints. The kernel drops an flock when its process dies, even by SIGKILL, so a
+    crashed run never leaves a stale lock behind. Returns the open lock file: keep it for the whole run."""
+    lock, error = None, [None]
+    if RANK == 0:
+        os.makedirs(out, exist_ok=True)
+        lock = open(os.path.join(out, ".lock"), "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            error[0] = f"--out {out} is in use by another run (it holds {out}/.lock): wait for it or pick another"
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UsageError(error[0])
+    return lock
+
+
 def checkpoints(out):
     """The checkpoint-STEP directories in ``out``, oldest first."""
     names = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()]
     return sorted(names, key=lambda d: int(d.split("-")[1]))
 
 
-def newest_checkpoint(out):
-    """Global rank 0 picks the newest complete checkpoint and tells everyone, so all ranks load the same one."""
-    choice = [None]
-    if RANK == 0 and out and os.path.isdir(out):
-        done = [d for d in checkpoints(out) if os.path.isfile(os.path.join(out, d, "state.pt"))]
-        if done:
-            choice[0] = os.path.join(out, done[-1], "state.pt")
+def resume_state(out, model, device):
+    """(path, state) of the newest checkpoint in --out that loads, on every rank; (None, None) if there is none.
+
+    Global rank 0 chooses and tells the others, so that all resume from the same step. A checkpoint that does not
+    load (a disk fault, a copy cut short) is skipped with a warning and left in place for inspection.
+    """
+    state, choice = None, [None]
+    names = checkpoints(out) if RANK == 0 and out and os.path.isdir(out) else []
+    for name in reversed(names):
+        try:
+            state = torch.load(os.path.join(out, name, "state.pt"), map_location=device, weights_only=True)
+            choice[0] = os.path.join(out, name)
+            break
+        except Exception as e:
+            print0(f"warning: skipped {os.path.join(out, name)}: it does not load ({type(e).__name__}); left as is")
     dist.broadcast_object_list(choice, src=0)
-    return choice[0]
+    if choice[0] is None:
+        return None, None
+    error = None
+    if RANK != 0:  # on several nodes every rank must see rank 0's --out (a shared filesystem)
+        try:
+            state = torch.load(os.path.join(choice[0], "state.pt"), map_location=device, weights_only=True)
+        except Exception as e:
+            error = f"rank {RANK} cannot read {choice[0]} ({type(e).__name__}): every node must see rank 0's --out"
+    errors = [None] * WORLD
+    dist.all_gather_object(errors, error)  # all stop together, none left waiting in a collective
+    if any(errors):
+        raise UsageError(next(e for e in errors if e))
+    mine = model.state_dict()
+    for key in sorted(mine.keys() | state["model"].keys()):
+        theirs = tuple(state["model"][key].shape) if key in state["model"] else "nothing"
+        if theirs != (tuple(mine[key].shape) if key in mine else "nothing"):
+            ours = tuple(mine[key].shape) if key in mine else "nothing"
+            raise UsageError(f"{choice[0]} was written for another model: it holds {theirs} for {key}, this run's "
+                             f"model {ours}. Use the flags that wrote it, or another --out")
+    return choice[0], state
 
 
 def save_checkpoint(out, step, state, keep):
@@ -742,8 +795,8 @@ def save_checkpoint(out, step, state, keep):
     checkpoint intact and never a half-written one under a checkpoint-STEP name.
     """
     final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
-    if os.path.exists(final):
-        return
+    if os.path.exists(final):  # only a damaged one can be newer than where we resumed: keep it, renamed
+        os.replace(final, f"{final}.damaged-{int(time.time())}")
     os.makedirs(tmp, exist_ok=True)
     with open(os.path.join(tmp, "state.pt"), "wb") as f:
         torch.save(state, f)
@@ -756,11 +809,11 @@ def save_checkpoint(out, step, state, keep):
 
 
 def lr_factor(step, args):
-    """Linear warm-up, then cosine decay to 10% of --lr."""
+    """Linear warm-up, then cosine decay to LR_FLOOR of --lr, over --max-steps."""
     if step < args.warmup_steps:
         return (step + 1) / args.warmup_steps
     progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def wrap(model, impl, args, device):
@@ -789,12 +842,11 @@ def train(args, device, local_rank):
     print0(f"data: {len(ids):,} tokens, {len(data):,} blocks of {args.seq_len}, {per_epoch} micro-batches "
            f"per rank per epoch | model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     model.to(device)
-    ckpt_path = newest_checkpoint(args.out)
-    ckpt = torch.load(ckpt_path, map_location=device) if ckpt_path else None  # every rank reads the same file
+    ckpt_path, ckpt = resume_state(args.out, model, device)
     if ckpt:
         model.load_state_dict(ckpt["model"])
     ddp = wrap(model, args.impl, args, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=ADAMW_BETAS, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16 needs loss scaling
     start = 0
@@ -806,6 +858,10 @@ def train(args, device, local_rank):
         if ckpt["world_size"] != WORLD:
             print0(f"warning: checkpoint written by {ckpt['world_size']} ranks, now {WORLD}: the data order differs")
         print0(f"resumed from {ckpt_path} at step {start}")
+        if start < args.max_steps and ckpt.get("max_steps", args.max_steps) != args.max_steps:
+            # The schedule is a function of --max-steps: the cosine now stretches over the new total.
+            print0(f"note: --max-steps {ckpt['max_steps']} -> {args.max_steps}: the learning rate follows the "
+                   f"longer schedule from step {start} on (lr {lr_factor(start, args) * args.lr:.2e})")
     del ckpt
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     autocast = lambda: torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)  # noqa: E731
@@ -815,7 +871,6 @@ def train(args, device, local_rank):
     say = tqdm.write if not bar.disable else print0  # print above the bar, not through it
     profiler = contextlib.ExitStack()
     if args.profile:
-        os.makedirs(args.profile, exist_ok=True)
         prof = profiler.enter_context(torch.profiler.profile(
             schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
             on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(args.profile, f"trace_rank{RANK}.json"))))
@@ -829,7 +884,7 @@ def train(args, device, local_rank):
                 os.kill(os.getpid(), signal.SIGKILL)
             # Dropout (if the model has any) should differ across ranks like the data does, and a resumed run
             # must replay the same masks: so seed from (seed, step, rank) instead of saving RNG states.
-            torch.manual_seed(args.seed + 7919 * step + RANK)
+            torch.manual_seed(args.seed + SEED_STRIDE * step + RANK)
             step_loss = torch.zeros((), device=device)
             for micro in range(args.grad_accum):
                 batch = next(batches).to(device, non_blocking=True)
@@ -862,7 +917,7 @@ def train(args, device, local_rank):
                     save_checkpoint(args.out, step + 1, {
                         "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                         "scaler": scaler.state_dict(), "step": step + 1, "world_size": WORLD,
-                        "micro_batches_per_rank": (step + 1) * args.grad_accum}, args.keep_checkpoints)
+                        "max_steps": args.max_steps}, args.keep_checkpoints)
                     say(f"saved {args.out}/checkpoint-{step + 1}")
             if (step + 1) % args.log_every == 0 or step in (start, args.max_steps - 1):
                 # Loss of all ranks, not rank 0's alone: SUM of per-rank means, divided by N.
@@ -892,13 +947,7 @@ def finish(args, tok, model, device, first_loss, last_loss):
         tok.save_pretrained(args.out)
         print0(f"saved model and tokenizer to {args.out} (AutoModelForCausalLM.from_pretrained loads it)")
     if RANK == 0 and args.sample_tokens > 0:
-        model.eval()
-        torch.manual_seed(args.seed)
-        prompt = tok(args.prompt, return_tensors="pt").input_ids.to(device)
-        with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=args.sample_tokens, do_sample=True, top_k=20, temperature=0.8,
-                                 pad_token_id=tok.eos_token_id)
-        print0("sample:\n" + tok.decode(out[0], skip_special_tokens=True) + "\n")
+        sample(args, tok, model, device)
     if not same.item():
         raise RuntimeError("replicas diverged: weights differ across ranks")
     if first_loss is not None:
@@ -909,6 +958,21 @@ def finish(args, tok, model, device, first_loss, last_loss):
         print0(f"OK {args.impl} DDP on {WORLD} rank(s): nothing left to train (resumed at --max-steps)")
 
 
+def sample(args, tok, model, device):
+    """Rank 0 writes a sample, kept within the model's context (prompt + new tokens <= its positions)."""
+    model.eval()
+    torch.manual_seed(args.seed)
+    context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", 1024)
+    prompt = tok(args.prompt).input_ids[-(context - 1):] or [tok.eos_token_id]
+    new = min(args.sample_tokens, context - len(prompt))
+    if new < args.sample_tokens:
+        print0(f"note: sample shortened to {new} tokens: prompt + sample must fit the model's {context} positions")
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=new, do_sample=True,
+                             top_k=SAMPLE_TOP_K, temperature=SAMPLE_TEMPERATURE, pad_token_id=tok.eos_token_id)
+    print0("sample:\n" + tok.decode(out[0], skip_special_tokens=True) + "\n")
+
+
 def main(args):
     device = setup(args, min_world=1)
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} impl={args.impl} "
@@ -917,8 +981,11 @@ def main(args):
     transformers.logging.set_verbosity_error()  # long documents trigger a harmless length warning
     transformers.utils.logging.disable_progress_bar()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    lock = claim(args.out) if args.out else None  # held until this run ends
     tok, model, first, last = train(args, device, local_rank)
     finish(args, tok, model, device, first, last)
+    if lock:
+        lock.close()
 
 
 def parse_args(argv=None):
@@ -960,16 +1027,34 @@ def parse_args(argv=None):
     g.add_argument("--crash-at-step", type=int, default=-1,
                    help="demo: SIGKILL the last rank at this step, first attempt only")
     args = p.parse_args(argv)
+    # Every value is checked here, before any process group or file: a bad one costs one line, not a run.
+    flag = {name: "--" + name.replace("_", "-") for name in vars(args)}
     for name in ("batch_size", "grad_accum", "seq_len", "max_steps", "ckpt_every", "keep_checkpoints", "log_every",
                  "n_layer", "n_embd", "n_head", "stdlib_files"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    bad_cap = args.bucket_cap_mb is not None and args.bucket_cap_mb <= 0
-    if bad_cap or args.lr <= 0 or args.warmup_steps < 0:
-        p.error("--bucket-cap-mb and --lr must be > 0, --warmup-steps >= 0")
+            p.error(f"{flag[name]} must be >= 1, got {getattr(args, name)}")
+    for name in ("lr", "bucket_cap_mb"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            p.error(f"{flag[name]} must be > 0, got {getattr(args, name)}")
+    for name in ("warmup_steps", "weight_decay", "max_grad_norm", "sample_tokens"):
+        if not getattr(args, name) >= 0:
+            p.error(f"{flag[name]} must be >= 0, got {getattr(args, name)}")
     if args.n_embd % args.n_head:
-        p.error("--n-embd must be divisible by --n-head")
+        p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
+    for name in ("out", "profile"):
+        if getattr(args, name) and unwritable(getattr(args, name)):
+            p.error(f"{flag[name]} {getattr(args, name)}: {unwritable(getattr(args, name))}")
     return args
+
+
+def unwritable(path):
+    """Why this run could not write into directory `path` (made if missing), or None."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a directory"
+    return None if os.access(existing, os.W_OK | os.X_OK) else f"{existing} is not writable"
 
 
 if __name__ == "__main__":
