@@ -1044,6 +1044,10 @@ def parse_args(argv=None):
     for name in ("out", "profile"):
         if getattr(args, name) and unwritable(getattr(args, name)):
             p.error(f"{flag[name]} {getattr(args, name)}: {unwritable(getattr(args, name))}")
+    for name in ("model", "dataset"):  # a local path (not a Hugging Face name) that is not there
+        path = getattr(args, name) or ""
+        if path.startswith(("/", ".", "~")) and not glob.glob(os.path.expanduser(path)):
+            p.error(f"{flag[name]} {path!r}: no such file or directory")
     return args
 
 

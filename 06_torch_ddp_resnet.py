@@ -17,6 +17,7 @@ Run it (MNIST is downloaded into --data-dir on first use; --dataset fake needs n
 """
 
 import argparse
+import fcntl
 import functools
 import os
 import signal
@@ -29,6 +30,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+# --- settings beyond the flags ---
+SGD_MOMENTUM, WEIGHT_DECAY = 0.9, 5e-4  # the usual ResNet recipe
+ONE_CYCLE_WARMUP = 0.2  # fraction of all steps spent raising the learning rate to --lr
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # of the training images' pixels, to normalise them
 
 # --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
 RANK, WORLD = 0, 1
@@ -140,7 +146,7 @@ def build_model(num_classes=10):
 def load_data(args, local_rank):
     import torchvision.datasets as D
     import torchvision.transforms as T
-    tf = T.Compose([T.ToTensor(), T.Normalize((0.1307,), (0.3081,))])  # MNIST's mean and std
+    tf = T.Compose([T.ToTensor(), T.Normalize((MNIST_MEAN,), (MNIST_STD,))])
     if args.dataset == "fake":
         return (D.FakeData(args.fake_size, (1, 28, 28), 10, tf, random_offset=0),
                 D.FakeData(args.fake_size // 4, (1, 28, 28), 10, tf, random_offset=args.fake_size))
@@ -159,20 +165,80 @@ def load_data(args, local_rank):
         raise UsageError(f"MNIST is not in --data-dir {args.data_dir} and could not be downloaded "
                          f"({next(e for e in errors if e)}). Put the four MNIST files in "
                          f"{os.path.join(args.data_dir, 'MNIST', 'raw')}, or run a smoke test with --dataset fake")
-    train, val = D.MNIST(args.data_dir, train=True, transform=tf), D.MNIST(args.data_dir, train=False, transform=tf)
-    cut = lambda ds, n: torch.utils.data.Subset(ds, range(min(n, len(ds)))) if n else ds  # noqa: E731
-    return cut(train, args.max_train_samples), cut(val, args.max_val_samples)
+    try:  # the files are there, but may be damaged (a copy cut short): every rank finds out, and says it once
+        train, val = D.MNIST(args.data_dir, train=True, transform=tf), D.MNIST(args.data_dir, train=False, transform=tf)
+        error = ""
+    except Exception as e:
+        error = f"{type(e).__name__} {str(e).strip()[:120]}".strip()
+    errors = [None] * WORLD
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        raise UsageError(f"the MNIST files in {os.path.join(args.data_dir, 'MNIST', 'raw')} do not load "
+                         f"({next(e for e in errors if e)}): delete them to download them again")
+    return first(train, args.max_train_samples), first(val, args.max_val_samples)
+
+
+def first(dataset, n):
+    """The first n samples (all if n is 0): a quick run on a slice of the data."""
+    return torch.utils.data.Subset(dataset, range(min(n, len(dataset)))) if n else dataset
 
 
 # --- checkpoints ---
-def save_atomic(obj, path):
-    """Global rank 0 only. Temp file, fsync, rename: a crash mid-write never leaves a torn checkpoint."""
+def claim(out):
+    """Global rank 0 takes --out for this run, or every rank stops: two runs would overwrite each other's
+    checkpoints. The kernel drops an flock when its process dies, even by SIGKILL: no stale lock after a crash."""
+    lock, error = None, [None]
+    if RANK == 0:
+        os.makedirs(out, exist_ok=True)
+        lock = open(os.path.join(out, ".lock"), "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            error[0] = f"--out {out} is in use by another run (it holds {out}/.lock): wait for it or pick another"
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UsageError(error[0])
+    return lock
+
+
+def save_atomic(obj, path, keep_previous=False):
+    """Global rank 0 only. Temp file, fsync, rename: a crash mid-write never leaves a torn checkpoint.
+    keep_previous: the file it replaces stays as .prev, so a damaged newest one costs an epoch, not the run."""
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+    if keep_previous and os.path.exists(path):
+        os.replace(path, f"{path}.prev")
     os.replace(tmp, path)
+
+
+def resume_state(out, device):
+    """The newest checkpoint in --out that loads, on every rank (rank 0 chooses), or (None, None)."""
+    state, choice = None, [None]
+    names = ("checkpoint.pt", "checkpoint.pt.prev") if RANK == 0 and out else ()
+    for path in [os.path.join(out, name) for name in names]:
+        try:
+            state = torch.load(path, map_location=device, weights_only=True) if os.path.exists(path) else None
+        except Exception as e:  # kept for inspection, out of the way of the next save's rotation
+            os.replace(path, f"{path}.damaged-{int(time.time())}")
+            print0(f"warning: skipped {path}: it does not load ({type(e).__name__}); kept as {path}.damaged-*")
+        if state is not None:
+            choice[0] = path
+            break
+    dist.broadcast_object_list(choice, src=0)
+    error = None
+    if choice[0] and RANK != 0:  # map_location: the file holds rank 0's device; each rank loads onto its own
+        try:
+            state = torch.load(choice[0], map_location=device, weights_only=True)
+        except Exception as e:
+            error = f"rank {RANK} cannot read {choice[0]} ({type(e).__name__}): every node must see rank 0's --out"
+    errors = [None] * WORLD
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        raise UsageError(next(e for e in errors if e))
+    return choice[0], state
 
 
 # --- training and validation ---
@@ -227,27 +293,34 @@ def main(args):
     elif args.sync_bn:
         print0("note: --sync-bn ignored: SyncBatchNorm's kernels are CUDA-only; on CPU each rank keeps its BN stats")
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=SGD_MOMENTUM, weight_decay=WEIGHT_DECAY)
     total = args.epochs * len(train_loader)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=total, pct_start=0.2)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=total, pct_start=ONE_CYCLE_WARMUP)
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     if args.precision == "fp16" and device.type == "cpu":
         print0("note: fp16 convolutions have no fast CPU kernels (minutes per step here): use bf16 on CPU")
 
-    start_epoch, ckpt_path = 0, os.path.join(args.out, "checkpoint.pt") if args.out else None
-    if RANK == 0 and args.out:
-        os.makedirs(args.out, exist_ok=True)
-    found = [bool(ckpt_path and os.path.exists(ckpt_path))]
-    dist.broadcast_object_list(found, src=0)  # rank 0 decides, so all ranks resume (or not) together
-    if found[0]:
-        # map_location: the file holds rank 0's device; each rank loads onto its own.
-        ckpt = torch.load(ckpt_path, map_location=device)
-        model.load_state_dict(ckpt["model"])
+    lock = claim(args.out) if args.out else None  # held until this run ends
+    ckpt_path, ckpt = resume_state(args.out, device)
+    start_epoch = 0
+    if ckpt:
+        try:
+            model.load_state_dict(ckpt["model"])
+        except (KeyError, RuntimeError) as e:
+            raise UsageError(f"{ckpt_path} is not a checkpoint of this script's ResNet18 "
+                             f"({str(e).strip().splitlines()[0][:150]}): use another --out") from None
         opt.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])
         start_epoch = ckpt["epoch"]
+        step = start_epoch * len(train_loader)
+        if ckpt["scheduler"]["total_steps"] == total:
+            sched.load_state_dict(ckpt["scheduler"])
+        else:  # more --epochs (or another world size): the one-cycle schedule, rebuilt for the new total
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=total,
+                                                        pct_start=ONE_CYCLE_WARMUP, last_epoch=step - 1)
+            print0(f"note: {ckpt['scheduler']['total_steps']} -> {total} steps: the one-cycle schedule is rebuilt "
+                   f"for the new total, so the learning rate rises again to {sched.get_last_lr()[0]:.2e}")
         print0(f"resumed from {ckpt_path} after epoch {start_epoch}")
 
     step = start_epoch * len(train_loader)
@@ -280,7 +353,8 @@ def main(args):
                f"{val_loss:.4f} | val acc {val_acc:.4f} ({n_val} samples) | {train[1].item() / elapsed:,.0f} samples/s")
         if args.out and RANK == 0:  # global rank 0: one writer, even with many nodes
             save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                         "scaler": scaler.state_dict(), "epoch": epoch + 1}, ckpt_path)
+                         "scaler": scaler.state_dict(), "epoch": epoch + 1}, os.path.join(args.out, "checkpoint.pt"),
+                        keep_previous=True)
     if args.out and RANK == 0:
         # The bare model's state dict (model, not ddp): no "module." prefix, loads into build_model().
         save_atomic(model.state_dict(), os.path.join(args.out, "model.pt"))
@@ -293,6 +367,8 @@ def main(args):
     if not same.item():
         raise RuntimeError("replicas diverged: weights differ across ranks")
     print0(f"OK DDP ResNet18 on {WORLD} rank(s): replicas identical after {args.epochs} epoch(s)")
+    if lock:
+        lock.close()
 
 
 def spawned(local_rank, argv, port):
@@ -340,9 +416,22 @@ def parse_args(argv=None):
     if min(a.epochs, a.batch_size, a.fake_size) < 1 or min(a.max_train_samples, a.max_val_samples, a.workers,
                                                                  a.nproc) < 0:
         p.error("--epochs, --batch-size, --fake-size must be >= 1; sample limits, --workers, --nproc >= 0")
-    if a.lr <= 0:
-        p.error("--lr must be > 0")
+    if not a.lr > 0:
+        p.error(f"--lr must be > 0, got {a.lr}")
+    for flag, path in (("--out", a.out), ("--data-dir", a.data_dir if a.dataset == "mnist" else None)):
+        if path and unwritable(path):
+            p.error(f"{flag} {path}: {unwritable(path)}")
     return a
+
+
+def unwritable(path):
+    """Why this run could not write into directory `path` (made if missing), or None."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a directory"
+    return None if os.access(existing, os.W_OK | os.X_OK) else f"{existing} is not writable"
 
 
 if __name__ == "__main__":

@@ -128,12 +128,13 @@ def torchrun(script, nproc, args=(), timeout=180, torchrun_args=(), device="cpu"
     return res
 
 
-def ranks(script, nproc, args=(), timeout=120, device="cpu", **env):
+def ranks(script, nproc, args=(), timeout=120, device="cpu", cwds=None, **env):
     """Start ``nproc`` plain processes with the environment torchrun gives its workers, but no agent.
 
     Under torchrun a dead worker makes the agent stop the others, so what survivors print is a race; here
     nobody stops them, and what they do is the script's own doing. Returns one Result per rank. Output goes
-    to files, not pipes, so that no rank blocks on a full pipe while we wait for another.
+    to files, not pipes, so that no rank blocks on a full pipe while we wait for another. ``cwds``: a working
+    directory per rank (relative paths then differ per rank, like nodes without a shared filesystem).
     """
     import tempfile
     port, procs = free_port(), []
@@ -142,8 +143,8 @@ def ranks(script, nproc, args=(), timeout=120, device="cpu", **env):
         env_r = make_env(RANK=r, LOCAL_RANK=r, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc, MASTER_ADDR="127.0.0.1",
                          MASTER_PORT=port, **env)
         cmd = [sys.executable, str(REPO / script), *with_device(args, device)]
-        procs.append((subprocess.Popen(cmd, cwd=REPO, env=env_r, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                       start_new_session=True), log))
+        procs.append((subprocess.Popen(cmd, cwd=cwds[r] if cwds else REPO, env=env_r, stdout=log,
+                                       stderr=subprocess.STDOUT, text=True, start_new_session=True), log))
     deadline, results = time.time() + timeout, []
     for proc, log in procs:
         try:

@@ -1,0 +1,71 @@
+"""Run each (script, arguments) case of a table as a would-be rank of a 2-rank job; report what it did, as JSON.
+
+Each case runs in a forked child (torch is imported once, here), with torchrun's environment for the rank given
+on the command line, and exits as the script makes it exit. Bad input must be caught before any process group
+starts: a case that gets as far as init_process_group would wait for a peer that never comes, so the child is
+killed after a few seconds and the case reported as such.
+
+  python tests/workers/usage_worker.py RANK CASES.json OUT.json
+"""
+
+import io
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import torch  # noqa: F401  (imported once, before forking)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import REPO, load_script  # noqa: E402
+
+
+def run_case(script, argv, rank):
+    """Exit status and combined output of script's run() with argv, as rank `rank` of 2."""
+    with tempfile.TemporaryFile(mode="w+") as out:
+        pid = os.fork()
+        if pid == 0:  # the child: become the script's process
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            sys.stdout, sys.stderr = io.TextIOWrapper(os.fdopen(1, "wb", 0)), io.TextIOWrapper(os.fdopen(2, "wb", 0))
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT="9")  # port 9: nothing listens there
+            sys.argv = [str(REPO / script)] + argv
+            code = 0
+            try:
+                module = load_script(script)
+                run = module.run if hasattr(module, "run") else module.lesson.run  # benchmarks use a lesson's
+                run(getattr(module, "main_or_spawn", module.main), module.parse_args)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException as e:  # a traceback: what a bad input must never produce
+                print(f"Traceback (unhandled {type(e).__name__}: {e})", flush=True)
+                code = 1
+            os._exit(code)
+        deadline = time.time() + 30
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                break
+            if time.time() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                code = "timeout: the bad input was not caught before the process group started"
+                break
+            time.sleep(0.02)
+        out.seek(0)
+        return code, out.read()
+
+
+def main():
+    rank, cases, result = int(sys.argv[1]), json.loads(open(sys.argv[2]).read()), sys.argv[3]
+    report = [run_case(script, argv, rank) for script, argv in cases]
+    with open(result, "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
