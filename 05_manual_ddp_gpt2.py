@@ -820,9 +820,19 @@ def wrap(model, impl, args, device):
     """The model as each --impl trains it: ours, PyTorch's (same bucket size) or the naive tutorial's."""
     device_ids = [device.index] if device.type == "cuda" else None
     if impl == "torch":
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)
+        if args.comm_hook == "bf16":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook as library_hook
+            try:
+                ddp.register_comm_hook(None, library_hook)
+            except TypeError as e:  # PyTorch's DDP accepts its bf16 hook only in CUDA builds
+                raise UsageError(f"--impl torch --comm-hook bf16: PyTorch refuses it here ({e})") from None
+        return ddp
     if impl == "manual":
-        return ManualDDP(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)
+        ddp = ManualDDP(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)
+        if args.comm_hook == "bf16":
+            ddp.register_comm_hook(None, bf16_compress_hook)  # the hand-written one, above
+        return ddp
     with torch.no_grad():  # naive: start from rank 0's weights, then average after every backward (see train)
         for t in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t, src=0)
@@ -1016,6 +1026,8 @@ def parse_args(argv=None):
     g.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual", help="whose DDP")
     g.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="gradient bucket size (default: PyTorch's, 25 MiB with a 1 MiB first bucket)")
+    g.add_argument("--comm-hook", choices=["none", "bf16"], default="none",
+                   help="bf16: gradients travel as bfloat16 (half the bytes), via a DDP communication hook")
     g = p.add_argument_group("checkpoints, output")
     g.add_argument("--out", default=None, help="checkpoint dir: resume from it, save to it, final save_pretrained")
     g.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
@@ -1039,6 +1051,8 @@ def parse_args(argv=None):
     for name in ("warmup_steps", "weight_decay", "max_grad_norm", "sample_tokens"):
         if not getattr(args, name) >= 0:
             p.error(f"{flag[name]} must be >= 0, got {getattr(args, name)}")
+    if args.comm_hook != "none" and args.impl == "naive":
+        p.error("--comm-hook needs a DDP to hook into: --impl manual or torch")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
     for name in ("out", "profile"):

@@ -1,11 +1,12 @@
 """Run each (script, arguments) case of a table as a would-be rank of a 2-rank job; report what it did, as JSON.
 
-Each case runs in a forked child (torch is imported once, here), with torchrun's environment for the rank given
-on the command line, and exits as the script makes it exit. Bad input must be caught before any process group
-starts: a case that gets as far as init_process_group would wait for a peer that never comes, so the child is
-killed after a few seconds and the case reported as such.
+Each case runs in a forked child (torch and transformers are imported once, here), with torchrun's environment
+for the rank given on the command line, and exits as the script makes it exit. Bad input must be caught before
+any process group starts: a case that gets as far as init_process_group would wait for a peer that never comes,
+so the child is killed after 30 seconds and the case reported as such. RANK "alone" runs each case as plain
+`python script.py` (a group of one), for inputs that only the model or the data can reveal.
 
-  python tests/workers/usage_worker.py RANK CASES.json OUT.json
+  python tests/workers/usage_worker.py RANK|alone CASES.json OUT.json
 """
 
 import io
@@ -17,6 +18,7 @@ import tempfile
 import time
 
 import torch  # noqa: F401  (imported once, before forking)
+from transformers import AutoModelForCausalLM, GPT2LMHeadModel  # noqa: F401  (the slowest import of all)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import REPO, load_script  # noqa: E402
@@ -30,8 +32,9 @@ def run_case(script, argv, rank):
             os.dup2(out.fileno(), 1)
             os.dup2(out.fileno(), 2)
             sys.stdout, sys.stderr = io.TextIOWrapper(os.fdopen(1, "wb", 0)), io.TextIOWrapper(os.fdopen(2, "wb", 0))
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT="9")  # port 9: nothing listens there
+            if rank != "alone":
+                os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                                  MASTER_ADDR="127.0.0.1", MASTER_PORT="9")  # port 9: nothing listens there
             sys.argv = [str(REPO / script)] + argv
             code = 0
             try:
@@ -61,7 +64,7 @@ def run_case(script, argv, rank):
 
 
 def main():
-    rank, cases, result = int(sys.argv[1]), json.loads(open(sys.argv[2]).read()), sys.argv[3]
+    rank, cases, result = sys.argv[1], json.loads(open(sys.argv[2]).read()), sys.argv[3]
     report = [run_case(script, argv, rank) for script, argv in cases]
     with open(result, "w") as f:
         json.dump(report, f)
