@@ -309,8 +309,10 @@ class ZeroDDP(nn.Module):
         state = {}
         for k, (piece, i, off) in enumerate(self.pieces):
             for key, v in by_number[i].items():
-                per_element = torch.is_tensor(v) and v.dim() > 0
-                state.setdefault(k, {})[key] = v.reshape(-1)[off : off + piece.numel()].clone() if per_element else v
+                if torch.is_tensor(v) and v.dim() > 0:  # per element: my slice of it
+                    v = v.reshape(-1)[off : off + piece.numel()]
+                # A copy: torch's load_state_dict would keep the caller's tensor (always the step) and step it.
+                state.setdefault(k, {})[key] = v.clone() if torch.is_tensor(v) else v
         ours = self.optim.state_dict()["param_groups"]  # our optimizer's own numbers for its pieces
         groups = [dict(g, params=mine["params"]) for g, mine in zip(saved, ours)]
         self.optim.load_state_dict({"state": state, "param_groups": groups})
@@ -334,28 +336,36 @@ def tokens(step, args, device):
     return torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=g).to(device)
 
 
+def loss_of(model, x):
+    return F.cross_entropy(model(input_ids=x[:, :-1]).logits.flatten(0, 1), x[:, 1:].flatten())
+
+
 def held_bytes(*tensor_lists):
     """Bytes of the distinct storages behind each list of tensors: what a rank really holds, padding included."""
     return [sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
             for ts in tensor_lists]
 
 
+def memory_status():
+    """This process's memory counters from Linux (VmRSS, VmHWM, RssAnon, ...), in bytes."""
+    with open("/proc/self/status") as f:
+        rows = [line.split() for line in f if line.rstrip().endswith("kB")]
+    return {row[0].rstrip(":"): int(row[1]) * 1024 for row in rows}
+
+
 def peak_memory(fn, device):
-    """(fn(), the most memory in use while it ran beyond what was in use before). CUDA: the allocator's tensor
-    bytes. CPU (Linux): the resident set, with glibc returning freed blocks of 64 KiB or more to the system at
-    once (main sets it), so that the peak counts memory in use, not memory used once and kept for reuse."""
+    """(fn(), the most memory in use while it ran, beyond what was in use before). CUDA: the allocator's tensor
+    bytes. CPU (Linux): the resident set less the libraries' code pages, with glibc returning freed blocks of
+    64 KiB or more to the system at once (main sets it), so that it counts memory in use, not memory once used."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         return fn(), torch.cuda.max_memory_allocated(device) - before
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the resident set's high-water mark (VmHWM) to its current size
-
-    def rss(field):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
-    before = rss("VmRSS")
-    return fn(), rss("VmHWM") - before
+    before = memory_status()["RssAnon"]
+    out, now = fn(), memory_status()
+    return out, now["VmHWM"] - (now["VmRSS"] - now["RssAnon"]) - before  # the code pages are still resident now
 
 
 # --- training: one loop for DDP + AdamW and for ZeroDDP ---
@@ -379,8 +389,7 @@ def train(kind, base, args, device):
         sent = (3 if kind == 1 else 2) * sum(b.flat.numel() * b.flat.element_size() for b in optimizer.buckets)
     losses = []
     for step in range(-1, args.steps):
-        x = tokens(step, args, device)
-        loss = F.cross_entropy(wrapped(input_ids=x[:, :-1]).logits.flatten(0, 1), x[:, 1:].flatten())
+        loss = loss_of(wrapped, tokens(step, args, device))
         loss.backward()
         if step == -1:  # a warm-up backward, no step: PyTorch's DDP settles its bucket layout in it (README)
             optimizer.zero_grad()
@@ -433,6 +442,8 @@ def main(args):
     kinds = [0, 1, 2]
     if args.stage:
         kinds = [0, args.stage]
+    loss_of(base, tokens(0, args, device)).backward()  # lazy initialisation (thread pools, kernels) before measuring
+    base.zero_grad(set_to_none=True)
     runs = {}
     for kind in kinds:
         runs[kind], peak = peak_memory(functools.partial(train, kind, base, args, device), device)
