@@ -143,12 +143,20 @@ class _Bucket:
         self.shard = -(-self.used // world)  # ceil: fewer than N elements of padding
         self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard  # my shard, as a chunk of 03's ring
         self.flat = torch.zeros(world * self.shard, dtype=params[0].dtype, device=params[0].device)
-        # The parameters become views of the buffer: the all-gather after each step writes straight into them.
-        for p, view in zip(params, self.flat[: self.used].split(self.numels)):
-            view.copy_(p.detach().reshape(-1))
-            p.data = view.view_as(p)
         # The averaged gradient: stage 1 keeps all of it (as DDP), stage 2 only this rank's shard.
         self.grad = torch.zeros_like(self.flat) if stage == 1 else self.flat.new_zeros(self.shard)
+        # My piece of each parameter is the part inside my shard (often none, sometimes all of it): a 1-D view of
+        # the buffer, with a view of the averaged gradient as its .grad. The optimizer steps the pieces.
+        self.pieces, start = [], 0  # (parameter, piece, offset of the piece in the parameter)
+        for p, view in zip(params, self.flat[: self.used].split(self.numels)):
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)  # a view of the buffer: the all-gather after each step writes straight into it
+            lo, hi = max(start, self.lo), min(start + p.numel(), self.hi)
+            if lo < hi:
+                piece = self.flat[lo:hi]
+                piece.grad = self.grad[lo:hi] if stage == 1 else self.grad[lo - self.lo : hi - self.lo]
+                self.pieces.append((p, piece, lo - start))
+            start += p.numel()
 
 
 class ZeroDDP(nn.Module):
@@ -197,18 +205,10 @@ class ZeroDDP(nn.Module):
                 cur, size = [], 0
         if cur:
             self.buckets.append(_Bucket(cur, self.world, self.rank, stage))
-        # This rank's piece of each parameter is the part inside its shard (often none, sometimes all of it): a
-        # 1-D view of the bucket, whose .grad is a view of the averaged gradient. The optimizer steps the pieces.
         group_of, pieces = {p: k for k, g in enumerate(groups) for p in g["params"]}, [[] for _ in groups]
         for b in self.buckets:
-            start = 0
-            for p, n in zip(b.params, b.numels):
-                lo, hi = max(start, b.lo), min(start + n, b.hi)
-                if lo < hi:
-                    piece = b.flat[lo:hi]
-                    piece.grad = b.grad[lo:hi] if stage == 1 else b.grad[lo - b.lo : hi - b.lo]
-                    pieces[group_of[p]].append((piece, number[p], lo - start))
-                start += n
+            for p, piece, off in b.pieces:
+                pieces[group_of[p]].append((piece, number[p], off))
         self.pieces = [t for ps in pieces for t in ps]  # (piece, parameter number, offset), in the optimizer's order
         self.optim = optimizer_class([dict(g, params=[t[0] for t in ps]) for g, ps in zip(groups, pieces)],
                                      **defaults)
@@ -280,7 +280,7 @@ class ZeroDDP(nn.Module):
         """The plain optimizer's state_dict, gathered to the group's rank 0 (CPU tensors; None on the others):
         per-element state put together from the shards, per-parameter state (AdamW's step) as any shard has it."""
         mine = [(i, off, {k: v.cpu() if torch.is_tensor(v) else v for k, v in self.optim.state[piece].items()})
-                for piece, i, off in self.pieces]
+                for piece, i, off in self.pieces if piece in self.optim.state]
         everyone = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, everyone, dst=self.root, group=self.group)  # every rank must call state_dict()
         if self.rank != 0:
@@ -361,6 +361,8 @@ def peak_memory(fn, device):
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         return fn(), torch.cuda.max_memory_allocated(device) - before
+    if not os.path.exists("/proc/self/clear_refs"):  # not Linux: no measure here
+        return fn(), float("nan")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the resident set's high-water mark (VmHWM) to its current size
     before = memory_status()["RssAnon"]
@@ -380,21 +382,19 @@ def train(kind, base, args, device):
         ids = [device.index] if device.type == "cuda" else None
         wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
         optimizer = inner = torch.optim.AdamW(groups, **opts)
-        sent = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # x (N-1)/N in report()
+        sent = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # in units of (N-1)/N, as below
     else:  # one object is both the model to call and the optimizer to step
         wrapped = optimizer = ZeroDDP(model, torch.optim.AdamW, kind, bucket_cap_mb=args.bucket_cap_mb, params=groups,
                                       **opts)
         inner = optimizer.optim
         # In units of (N-1)/N of the buckets: stage 1 all-reduces (2) and all-gathers (1), stage 2 halves the first.
         sent = (3 if kind == 1 else 2) * sum(b.flat.numel() * b.flat.element_size() for b in optimizer.buckets)
-    losses = []
-    for step in range(-1, args.steps):
+    loss_of(wrapped, tokens(-1, args, device)).backward()  # warm-up, no step: DDP settles its buckets (README)
+    optimizer.zero_grad()
+    losses, t0 = [], time.perf_counter()
+    for step in range(args.steps):
         loss = loss_of(wrapped, tokens(step, args, device))
         loss.backward()
-        if step == -1:  # a warm-up backward, no step: PyTorch's DDP settles its bucket layout in it (README)
-            optimizer.zero_grad()
-            t0 = time.perf_counter()
-            continue
         optimizer.step()
         grads = [p.grad for g in inner.param_groups for p in g["params"] if p.grad is not None]
         state = [v for s in inner.state.values() for v in s.values()]

@@ -40,14 +40,15 @@ class Toy(nn.Module):
         self.frozen.requires_grad_(False)
         self.body = nn.Sequential(nn.Linear(d, 17), nn.Tanh(), nn.Linear(17, d), nn.Tanh())
         self.neck = nn.Sequential(nn.Linear(d, 1), nn.Tanh(), nn.Linear(1, d))  # a bias of 1 element < N ranks
-        self.extra = nn.Linear(d, d)  # used on rank 0 only: elsewhere its gradient counts as zero in the mean
+        self.extra = nn.Linear(d, d)  # used on one rank only: elsewhere its gradient counts as zero in the mean
+        self.extra_rank = 0
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.emb.weight  # tied: one parameter
 
     def forward(self, x):
         h = self.body(self.frozen(self.emb(x)))
         h = h + self.neck(h)
-        if RANK == 0:
+        if RANK == self.extra_rank:
             h = h + self.extra(h)
         return self.head(h)
 
@@ -227,6 +228,33 @@ def check_checkpoints(base, stage, k=3, m=3):
     assert torch.equal(weights(fresh), weights(plain)), f"stage {stage}: plain AdamW checkpoint resumed under ZeRO"
 
 
+def check_state_dict_before_a_step(base):
+    """No step yet: the checkpoint is an AdamW state_dict with groups and no state, as AdamW's own."""
+    model = copy.deepcopy(base)
+    zero = ZeroDDP(model, torch.optim.AdamW, bucket_cap_mb=CAP, params=groups(model), **OPTS)
+    sd = zero.state_dict()
+    assert RANK != 0 or sd == torch.optim.AdamW(groups(copy.deepcopy(base)), **OPTS).state_dict(), sd
+
+
+def check_process_group(base, steps=3):
+    """On a group of the last two ranks: equal to DDP on that group; the checkpoint goes to the group's rank 0."""
+    group = dist.new_group([WORLD - 2, WORLD - 1])  # every rank creates it, only its members use it
+    if RANK < WORLD - 2:
+        return
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    a.extra_rank = b.extra_rank = WORLD - 2  # some rank of the group must use it: one no rank uses DDP leaves alone
+    wrapped = nn.parallel.DistributedDataParallel(a, bucket_cap_mb=CAP, static_graph=True, process_group=group)
+    opt = torch.optim.AdamW(groups(a), **OPTS)
+    train(wrapped, opt, steps)
+    zero = ZeroDDP(b, torch.optim.AdamW, process_group=group, bucket_cap_mb=CAP, params=groups(b), **OPTS)
+    train(zero, zero, steps)
+    assert torch.equal(weights(a), weights(b)), "on a process group: weights != DDP + AdamW's"
+    sd = zero.state_dict()
+    assert (sd is None) == (RANK != WORLD - 2), (RANK, sd is None)
+    if sd is not None:
+        equal_states(sd, opt.state_dict())
+
+
 def check_bad_input(base):
     for kwargs, error, says in [(dict(stage=3), ValueError, "stage must be 1 or 2"),
                                 (dict(lrr=0.1), TypeError, "unexpected keyword argument 'lrr'"),
@@ -246,6 +274,8 @@ def main():
     base = Toy()
     assert min(p.numel() for p in base.parameters()) < max(WORLD, 3)
     check_bad_input(base)
+    check_state_dict_before_a_step(base)
+    check_process_group(base)
     zeros = {}
     for stage in (1, 2):
         ref_opt, zeros[stage], ddp_grads = check_equals_ddp(base, stage)
