@@ -382,12 +382,12 @@ def train(kind, base, args, device):
         ids = [device.index] if device.type == "cuda" else None
         wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
         optimizer = inner = torch.optim.AdamW(groups, **opts)
-        sent = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # in units of (N-1)/N, as below
+        sent = 2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)  # x (N-1)/N
     else:  # one object is both the model to call and the optimizer to step
         wrapped = optimizer = ZeroDDP(model, torch.optim.AdamW, kind, bucket_cap_mb=args.bucket_cap_mb, params=groups,
                                       **opts)
         inner = optimizer.optim
-        # In units of (N-1)/N of the buckets: stage 1 all-reduces (2) and all-gathers (1), stage 2 halves the first.
+        # x (N-1)/N of the buckets' bytes: stage 1 all-reduces (2) and all-gathers (1); stage 2 halves the first.
         sent = (3 if kind == 1 else 2) * sum(b.flat.numel() * b.flat.element_size() for b in optimizer.buckets)
     loss_of(wrapped, tokens(-1, args, device)).backward()  # warm-up, no step: DDP settles its buckets (README)
     optimizer.zero_grad()
@@ -405,26 +405,21 @@ def train(kind, base, args, device):
     return dict(model=model, optimizer=optimizer, held=held, sent=sent * (WORLD - 1) / WORLD, losses=losses, ms=ms)
 
 
-def agree(ok, device):
-    """One verdict for all ranks, so that every rank raises or none does."""
-    flag = torch.tensor([float(ok)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def check(runs, kinds, device):
-    """Weights equal DDP + AdamW's (see README for when bit for bit), and are bit-identical across ranks."""
-    exact = dist.get_backend() == "gloo" or WORLD <= 2  # NCCL may reduce-scatter in another order than it all-reduces
+def check(runs, kinds, device, atol):
+    """Weights bit-identical across ranks and equal to DDP + AdamW's: bit for bit where the gradient sums are (gloo,
+    or 2 ranks; README), else to ``atol``. One verdict for all ranks, so that all of them raise or none does."""
+    exact = dist.get_backend() == "gloo" or WORLD <= 2
     ref = torch.cat([p.detach().reshape(-1) for p in runs[0]["model"].parameters()])
     for kind in kinds[1:]:
         w = torch.cat([p.detach().reshape(-1) for p in runs[kind]["model"].parameters()])
         rank0 = w.clone()
         dist.broadcast(rank0, src=0)
-        if not agree(torch.equal(rank0, w), device):
-            raise RuntimeError(f"{NAMES[kind]}: the weights differ across ranks")
-        same = torch.equal(w, ref) if exact else torch.allclose(w, ref, rtol=1e-5, atol=1e-6)
-        if not agree(same, device):
-            raise RuntimeError(f"{NAMES[kind]}: the weights differ from DDP's by up to {(w - ref).abs().max():.3g}")
+        same = torch.equal(w, ref) if exact else torch.allclose(w, ref, rtol=0, atol=atol)
+        bad = torch.tensor([float(not torch.equal(rank0, w)), float(not same)], device=device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.any():
+            raise RuntimeError(f"{NAMES[kind]}: weights differ across ranks ({bad[0].item():.0f}) or from DDP's "
+                               f"({bad[1].item():.0f}, by up to {(w - ref).abs().max():.3g})")
     return exact
 
 
@@ -449,7 +444,10 @@ def main(args):
         runs[kind], peak = peak_memory(functools.partial(train, kind, base, args, device), device)
         runs[kind]["peak"], losses = peak, runs[kind]["losses"]
         print0(f"{NAMES[kind]:<6} | rank 0 loss {losses[0]:.4f} -> {losses[-1]:.4f} | {runs[kind]['ms']:7.1f} ms/step")
-    exact = check(runs, kinds, device)
+    # Where sums differ in the last bit, AdamW moves an element by a small part of lr a step (README: 2.3e-6 in 5
+    # steps at lr 1e-3 on gloo with mismatched layouts): allow 1% of lr a step.
+    atol = 0.01 * args.lr * args.steps
+    exact = check(runs, kinds, device, atol)
     # What every rank holds and sends, side by side: rank 0 prints one table for all.
     table = [None] * WORLD
     dist.all_gather_object(table, [(*runs[k]["held"], runs[k]["peak"], runs[k]["sent"]) for k in kinds])
@@ -461,7 +459,7 @@ def main(args):
     print0("sent: the bytes a ring sends per rank (the busbw factor): all-reduce 2(N-1)/N of the buffer, "
            "reduce-scatter and all-gather (N-1)/N each; gloo reduce-scatters by all-reducing a copy, NCCL halves it")
     print0(f"OK {' and '.join(NAMES[k] for k in kinds[1:])} on {WORLD} rank(s): weights "
-           f"{'bit-identical to' if exact else 'within 1e-5 of'} DDP + AdamW's, ranks identical")
+           f"{'bit-identical to' if exact else f'within {atol:.1e} of'} DDP + AdamW's, ranks identical")
 
 
 def parse_args(argv=None):
