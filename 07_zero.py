@@ -277,24 +277,27 @@ class ZeroDDP(nn.Module):
         self.module.zero_grad(set_to_none)
 
     def state_dict(self):
-        """The plain optimizer's state_dict, gathered to the group's rank 0 (CPU tensors; None on the others):
-        per-element state put together from the shards, per-parameter state (AdamW's step) as any shard has it."""
-        mine = [(i, off, {k: v.cpu() if torch.is_tensor(v) else v for k, v in self.optim.state[piece].items()})
-                for piece, i, off in self.pieces if piece in self.optim.state]
+        """The plain optimizer's state_dict, gathered to the group's rank 0 (CPU tensors; None on the others).
+        A state tensor shaped like its piece is per element, put together from the shards; anything else is per
+        parameter (AdamW's step) and the same in every shard."""
+        mine = []
+        for piece, i, off in self.pieces:
+            for k, v in self.optim.state.get(piece, {}).items():
+                per_element = torch.is_tensor(v) and v.shape == piece.shape
+                mine.append((i, k, off if per_element else None, v.cpu() if torch.is_tensor(v) else v))
         everyone = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, everyone, dst=self.root, group=self.group)  # every rank must call state_dict()
         if self.rank != 0:
             return None
         state = {}
-        for i, off, part in [t for pieces in everyone for t in pieces]:
+        for i, k, off, v in [t for rank_state in everyone for t in rank_state]:
             whole = state.setdefault(i, {})
-            for k, v in part.items():
-                if not (torch.is_tensor(v) and v.dim() > 0):  # per parameter: the same in every shard
-                    whole[k] = v
-                    continue
-                if k not in whole:
-                    whole[k] = torch.zeros(self.params[i].shape, dtype=v.dtype)
-                whole[k].view(-1)[off : off + len(v)] = v  # per element: this shard's slice of the whole
+            if off is None:
+                whole[k] = v
+                continue
+            if k not in whole:
+                whole[k] = torch.zeros(self.params[i].shape, dtype=v.dtype)
+            whole[k].view(-1)[off : off + len(v)] = v
         groups = [dict(g, params=numbers) for g, numbers in zip(self.optim.param_groups, self.numbers)]
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 
@@ -309,7 +312,7 @@ class ZeroDDP(nn.Module):
         state = {}
         for k, (piece, i, off) in enumerate(self.pieces):
             for key, v in by_number[i].items():
-                if torch.is_tensor(v) and v.dim() > 0:  # per element: my slice of it
+                if torch.is_tensor(v) and v.shape == self.params[i].shape:  # per element: my slice of it
                     v = v.reshape(-1)[off : off + piece.numel()]
                 # A copy: torch's load_state_dict would keep the caller's tensor (always the step) and step it.
                 state.setdefault(k, {})[key] = v.clone() if torch.is_tensor(v) else v

@@ -29,6 +29,15 @@ CAP = 0.0004  # MiB: ~100 floats per bucket, so most shards start or end inside 
 OPTS = dict(lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
 
 
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Parameter(torch.tensor(1.5))  # a 0-dim parameter (a temperature, CLIP's logit scale)
+
+    def forward(self, x):
+        return x * self.t
+
+
 class Toy(nn.Module):
     """Registered in the order backward reaches them, reversed, as in GPT-2: then DDP's settled bucket layout
     (gradient arrival order) is the reverse registration order that ZeroDDP uses from the start."""
@@ -44,13 +53,14 @@ class Toy(nn.Module):
         self.extra_rank = 0
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.emb.weight  # tied: one parameter
+        self.scale = Scale()
 
     def forward(self, x):
         h = self.body(self.frozen(self.emb(x)))
         h = h + self.neck(h)
         if RANK == self.extra_rank:
             h = h + self.extra(h)
-        return self.head(h)
+        return self.scale(self.head(h))
 
 
 def groups(model):
@@ -100,7 +110,8 @@ def storage_bytes(tensors):
 
 
 def per_element_bytes(state):
-    return sum(v.nbytes for s in state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    """AdamW's two moments: all of its state but the step counts."""
+    return sum(v.nbytes for s in state.values() for k, v in s.items() if k != "step")
 
 
 def equal_states(a, b):
@@ -228,6 +239,21 @@ def check_checkpoints(base, stage, k=3, m=3):
     assert torch.equal(weights(fresh), weights(plain)), f"stage {stage}: plain AdamW checkpoint resumed under ZeRO"
 
 
+def check_sgd(base, steps=3):
+    """Another elementwise optimizer, whose state has no step count: SGD with momentum and weight decay."""
+    opts = dict(lr=0.1, momentum=0.9, weight_decay=0.01)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    opt = torch.optim.SGD(a.parameters(), **opts)
+    train(ddp(a), opt, steps)
+    zero = ZeroDDP(b, torch.optim.SGD, stage=2, bucket_cap_mb=CAP, **opts)
+    train(zero, zero, steps)
+    assert torch.equal(weights(a), weights(b)), "SGD: stage 2 != DDP + SGD"
+    sd = zero.state_dict()
+    if RANK == 0:
+        assert sd["param_groups"] == opt.state_dict()["param_groups"]
+        equal_states(sd, opt.state_dict())
+
+
 def check_state_dict_before_a_step(base):
     """No step yet: the checkpoint is an AdamW state_dict with groups and no state, as AdamW's own."""
     model = copy.deepcopy(base)
@@ -281,13 +307,14 @@ def main():
         ref_opt, zeros[stage], ddp_grads = check_equals_ddp(base, stage)
     check_memory(zeros, ref_opt, ddp_grads)
     check_zero_redundancy_optimizer(base)
+    check_sgd(base)
     for stage in (1, 2):
         check_checkpoints(base, stage)
     dist.barrier()
     if RANK == 0:
         print(f"OK ZeroDDP stages 1 and 2 == DDP + AdamW bit for bit on {WORLD} ranks "
-              f"({len(zeros[2].buckets)} buckets; tied, frozen, odd and tiny parameters); stage 1 == "
-              f"ZeroRedundancyOptimizer; state and gradients 1/N; checkpoints resume both ways")
+              f"({len(zeros[2].buckets)} buckets; tied, frozen, odd and tiny parameters); SGD too; stage 1 "
+              f"== ZeroRedundancyOptimizer; state and gradients 1/N; checkpoints resume both ways")
     dist.destroy_process_group()
 
 
