@@ -307,6 +307,7 @@ class ZeroDDP(nn.Module):
         saved = state_dict["param_groups"]
         if [len(g["params"]) for g in saved] != [len(numbers) for numbers in self.numbers]:
             raise ValueError("ZeroDDP.load_state_dict: the parameter groups differ from this optimizer's")
+        # Saved and our parameter numbers, matched position by position within each group (as torch.optim does).
         by_number = {i: state_dict["state"].get(s, {}) for g, numbers in zip(saved, self.numbers)
                      for s, i in zip(g["params"], numbers)}
         state = {}
@@ -444,9 +445,10 @@ def main(args):
     base.zero_grad(set_to_none=True)
     runs = {}
     for kind in kinds:
-        runs[kind], peak = peak_memory(functools.partial(train, kind, base, args, device), device)
-        runs[kind]["peak"], losses = peak, runs[kind]["losses"]
-        print0(f"{NAMES[kind]:<6} | rank 0 loss {losses[0]:.4f} -> {losses[-1]:.4f} | {runs[kind]['ms']:7.1f} ms/step")
+        result, peak = peak_memory(functools.partial(train, kind, base, args, device), device)
+        runs[kind] = dict(result, peak=peak)
+        losses = result["losses"]
+        print0(f"{NAMES[kind]:<6} | rank 0 loss {losses[0]:.4f} -> {losses[-1]:.4f} | {result['ms']:7.1f} ms/step")
     # Where sums differ in the last bit, AdamW moves an element by a small part of lr a step (README: 2.3e-6 in 5
     # steps at lr 1e-3 on gloo with mismatched layouts): allow 1% of lr a step.
     atol = 0.01 * args.lr * args.steps
