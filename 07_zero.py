@@ -8,7 +8,7 @@ shards, like 03's ring chunks; each rank's optimizer steps its own shard only, s
   stage 2: reduce-scatter instead (each rank receives the mean of its own shard and keeps no gradient memory
            for the rest), step, all-gather: exactly DDP's bytes.
 The script trains a GPT-2 built from a GPT2Config on random tokens (offline) under PyTorch's DDP, ZeRO-1 and
-ZeRO-2, prints what each rank holds and sends, and checks the weights equal DDP + AdamW's, bit for bit.
+ZeRO-2, prints what each rank holds and sends, and checks the weights equal DDP + AdamW's (bit for bit on gloo).
 
 Run it:
   1 process:  python 07_zero.py
