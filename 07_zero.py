@@ -1,0 +1,491 @@
+"""07 - ZeRO by hand: shard the optimizer state (stage 1) and the gradients (stage 2) over the data-parallel ranks.
+
+What it teaches: under DDP every rank holds all parameters, gradients and optimizer state, 16 bytes a parameter
+with AdamW (4 + 4 + 8 of state). ZeroDDP below keeps DDP's buckets (05) but cuts each into N equal contiguous
+shards, like 03's ring chunks; each rank's optimizer steps its own shard only, so it holds 1/N of the state.
+03 showed that an all-reduce is a reduce-scatter followed by an all-gather: ZeRO steps between the two halves.
+  stage 1: all-reduce the gradients (as DDP), step my shard, all-gather the parameters: 1.5x DDP's bytes;
+  stage 2: reduce-scatter instead (each rank receives the mean of its own shard and keeps no gradient memory
+           for the rest), step, all-gather: exactly DDP's bytes.
+The script trains a GPT-2 built from a GPT2Config on random tokens (offline) under PyTorch's DDP, ZeRO-1 and
+ZeRO-2, prints what each rank holds and sends, and checks the weights equal DDP + AdamW's (bit for bit on gloo).
+
+Run it:
+  1 process:  python 07_zero.py
+  CPU:        torchrun --nproc_per_node=2 07_zero.py
+  N GPUs:     torchrun --nproc_per_node=N 07_zero.py --n-layer 12 --n-embd 768 --vocab-size 50257
+  2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 07_zero.py
+"""
+
+import argparse
+import copy
+import ctypes
+import functools
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
+RANK, WORLD = 0, 1
+
+
+class UsageError(Exception):
+    """Bad input: one line on rank 0 (`error: ...`), exit status 2, no traceback."""
+
+
+def print0(*msg):
+    """The rank-0 narrative: printed once, not N times."""
+    if RANK == 0:
+        print(*msg, flush=True)
+
+
+def log(*msg):
+    """A per-rank line, tagged so interleaved output stays readable."""
+    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)
+
+
+def parser(doc, timeout_s=120):
+    """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def error(message):
+        raise UsageError(message)
+    p.error = error
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
+    p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
+    return p
+
+
+def choose_device(device, backend, n_gpus, local_rank, local_world):
+    """(device, backend, note) for this rank, from the flags and this node's GPUs, before any process group.
+    NCCL needs a GPU of its own for every rank; gloo runs on the CPU and can also share GPUs between ranks."""
+    if device == "cpu" or (device == "auto" and n_gpus == 0):
+        if backend == "nccl":
+            raise UsageError("--backend nccl runs on CUDA GPUs only: use gloo on the CPU")
+        return torch.device("cpu"), "gloo", None
+    if n_gpus == 0:
+        raise UsageError("--device cuda, but this node has no CUDA GPU: use --device cpu")
+    if n_gpus >= local_world:  # the usual GPU setup: local rank r takes cuda:r
+        return torch.device("cuda", local_rank), backend or "nccl", None
+    fix = f"start --nproc_per_node={n_gpus}, or share the GPU(s) over gloo with --device cuda --backend gloo"
+    if backend == "nccl":  # NCCL refuses two ranks on one GPU
+        raise UsageError(f"nccl needs one GPU per rank, but this node has {n_gpus} for {local_world} ranks: {fix}")
+    if device == "auto":
+        return torch.device("cpu"), "gloo", f"{n_gpus} GPU(s) for {local_world} ranks here, so CPU and gloo; {fix}"
+    return torch.device("cuda", local_rank % n_gpus), "gloo", f"{local_world} ranks share {n_gpus} GPU(s) over gloo"
+
+
+def setup(args, min_world=2):
+    """Choose the device, then join the process group. Global RANK names a process; LOCAL_RANK picks its GPU."""
+    global RANK, WORLD
+    if "RANK" not in os.environ and min_world > 1:
+        raise UsageError(f"launch with torchrun, e.g. torchrun --nproc_per_node={min_world} {sys.argv[0]}")
+    RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if WORLD < min_world:
+        raise UsageError(f"needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
+    if args.timeout_s <= 0:
+        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
+    device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if note:
+        print0(f"note: {note}")
+    if device.type == "cuda":  # before init, so NCCL binds this rank to its GPU (not device_id=: pytorch#153960)
+        torch.cuda.set_device(device)
+    # A timeout turns a dead peer into an error after --timeout-s instead of a silent 30-minute hang.
+    kw = dict(backend=backend, timeout=timedelta(seconds=args.timeout_s))
+    if "RANK" not in os.environ:  # plain `python`: a group of one, in memory, so the same code runs
+        kw.update(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(**kw)
+    return device
+
+
+def run(main, parse_args):
+    """Bad input: one line on rank 0, exit 2. A peer that died or timed out: one line per survivor, exit 1."""
+    code = 0
+    try:
+        main(parse_args())
+    except UsageError as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank stops alike; one says why
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except RuntimeError as e:  # NCCL raises DistError; gloo, RuntimeErrors from torch.distributed or its transport
+        where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
+        if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
+            raise  # a bug in this rank's own code keeps its traceback
+        log(f"error: lost a peer ({text.strip().splitlines()[0][:160]})")
+        os._exit(1)  # no teardown: it would wait for the dead peer
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)
+
+
+# --- the idea: ZeRO stages 1 and 2 ---
+# The two halves of 03's ring. torch 2.14 renamed reduce_scatter_tensor and all_gather_into_tensor to *_single.
+reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+class _Bucket:
+    """Parameters flattened into one buffer, padded at the end to a multiple of N, cut into N equal shards."""
+
+    def __init__(self, params, world, rank, stage):
+        self.params, self.numels, self.pending = params, [p.numel() for p in params], len(params)
+        self.used = sum(self.numels)
+        self.shard = -(-self.used // world)  # ceil: fewer than N elements of padding
+        self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard  # my shard, as a chunk of 03's ring
+        self.flat = torch.zeros(world * self.shard, dtype=params[0].dtype, device=params[0].device)
+        # The averaged gradient: stage 1 keeps all of it (as DDP), stage 2 only this rank's shard.
+        self.grad = torch.zeros_like(self.flat) if stage == 1 else self.flat.new_zeros(self.shard)
+        # My piece of each parameter is the part inside my shard (often none, sometimes all of it): a 1-D view of
+        # the buffer, with a view of the averaged gradient as its .grad. The optimizer steps the pieces.
+        self.pieces, start = [], 0  # (parameter, piece, offset of the piece in the parameter)
+        for p, view in zip(params, self.flat[: self.used].split(self.numels)):
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)  # a view of the buffer: the all-gather after each step writes straight into it
+            lo, hi = max(start, self.lo), min(start + p.numel(), self.hi)
+            if lo < hi:
+                piece = self.flat[lo:hi]
+                piece.grad = self.grad[lo:hi] if stage == 1 else self.grad[lo - self.lo : hi - self.lo]
+                self.pieces.append((p, piece, lo - start))
+            start += p.numel()
+
+
+class ZeroDDP(nn.Module):
+    """DDP and its optimizer in one; the optimizer state (stage 1) and the gradients too (stage 2) are sharded.
+
+    ``optimizer_class(**defaults)``, any elementwise torch.optim class, steps this rank's shard only. ``params``
+    takes what it would: the module's parameters, or dicts of parameter groups with their own options (default
+    ``module.parameters()``); checkpoints number parameters in that order. Call it as the model, then
+    ``loss.backward()``, ``step()``, ``zero_grad()``. A backward overwrites the averaged gradients (no accumulation
+    over backward calls). A scheduler takes ``.optim``, the shard's optimizer.
+    """
+
+    def __init__(self, module, optimizer_class, stage=2, process_group=None, bucket_cap_mb=None, params=None,
+                 **defaults):
+        super().__init__()
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroDDP: stage must be 1 or 2, got {stage!r}")
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+            raise ValueError(f"ZeroDDP: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        optimizer_class([torch.zeros(1)], **defaults)  # bad options fail here, on all ranks, before any collective
+        self.module, self.stage, self.group = module, stage, process_group or dist.group.WORLD
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.root = dist.get_global_rank(self.group, 0)
+        groups = list(module.parameters() if params is None else params)
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        groups = [dict(g, params=list(g["params"])) for g in groups]
+        self.params = [p for g in groups for p in g["params"]]  # the plain optimizer's numbering
+        number = {p: i for i, p in enumerate(self.params)}
+        self.numbers = [[number[p] for p in g["params"]] for g in groups]
+        with torch.no_grad():  # replicas start identical, as under DDP: rank 0's values win
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t, src=self.root, group=self.group)
+        # DDP's buckets, by 05's rule, so the layouts agree: reverse registration order, 1 MiB for the first and
+        # 25 MiB for the others, or bucket_cap_mb for all. Frozen parameters stay out.
+        caps = [1, 25] if bucket_cap_mb is None else [bucket_cap_mb]
+        self.buckets, cur, size = [], [], 0
+        for p in reversed([p for p in module.parameters() if p.requires_grad and p in number]):
+            if cur and (p.dtype != cur[0].dtype or p.device != cur[0].device):
+                self.buckets.append(_Bucket(cur, self.world, self.rank, stage))
+                cur, size = [], 0
+            cur.append(p)
+            size += p.numel() * p.element_size()
+            if size >= caps[min(len(self.buckets), len(caps) - 1)] * 2**20:
+                self.buckets.append(_Bucket(cur, self.world, self.rank, stage))
+                cur, size = [], 0
+        if cur:
+            self.buckets.append(_Bucket(cur, self.world, self.rank, stage))
+        group_of, pieces = {p: k for k, g in enumerate(groups) for p in g["params"]}, [[] for _ in groups]
+        for b in self.buckets:
+            for p, piece, off in b.pieces:
+                pieces[group_of[p]].append((piece, number[p], off))
+        self.pieces = [t for ps in pieces for t in ps]  # (piece, parameter number, offset), in the optimizer's order
+        self.optim = optimizer_class([dict(g, params=[t[0] for t in ps]) for g, ps in zip(groups, pieces)],
+                                     **defaults)
+        self._queued, self._next, self._inflight = False, 0, []
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b))
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _on_grad_ready(self, bucket, p):
+        """Runs inside backward, right after autograd accumulated p's gradient into p.grad."""
+        if not self._queued:  # first gradient of this backward: finish once the whole backward is done
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self):
+        # Strictly in bucket order on every rank: collectives are matched by the order ranks issue them.
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            b = self.buckets[self._next]
+            full = b.grad if self.stage == 1 else torch.empty_like(b.flat)  # stage 2: a transient
+            for p, view in zip(b.params, full[: b.used].split(b.numels)):
+                if p.grad is None:  # no gradient on this rank: it counts as zero in the mean
+                    view.zero_()
+                else:  # divide BEFORE the sum, with DDP's own multiply: no fp16 overflow, and DDP's bits
+                    torch.mul(p.grad, 1 / self.world, out=view.view_as(p))
+                p.grad = None  # autograd's copy is freed: the bucket has it now
+            full[b.used :].zero_()
+            if self.stage == 1:  # SUM of grad/N: every rank receives the whole mean
+                self._inflight.append(dist.all_reduce(full, group=self.group, async_op=True))
+            else:  # the all-reduce's first half: each rank receives the mean of its own shard only
+                self._inflight.append(reduce_scatter(b.grad, full, group=self.group, async_op=True))
+            self._next += 1
+            if self.stage == 2 and len(self._inflight) > 2:  # at most two full-size transients alive at once
+                self._inflight.pop(0).wait()
+
+    def _finish(self):
+        """End of backward: send the buckets whose gradients never came (unused parameters), then wait."""
+        self._queued = False
+        for b in self.buckets[self._next :]:
+            b.pending = 0
+        self._launch_ready()
+        for work in self._inflight:
+            work.wait()
+        for b in self.buckets:
+            b.pending = len(b.params)
+        self._inflight, self._next = [], 0
+
+    def step(self, closure=None):
+        """Step this rank's shard, then all-gather the shards: every rank ends with every updated parameter."""
+        loss = self.optim.step(closure)
+        works = [all_gather(b.flat, b.flat[b.lo : b.hi], group=self.group, async_op=True) for b in self.buckets]
+        for work in works:
+            work.wait()
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        """Nothing to zero (backward overwrites the averaged gradients): here so optimizer loops run unchanged."""
+        self.module.zero_grad(set_to_none)
+
+    def state_dict(self):
+        """The plain optimizer's state_dict, gathered to the group's rank 0 (CPU tensors; None on the others).
+        A state tensor shaped like its piece is per element, put together from the shards; anything else is per
+        parameter (AdamW's step) and the same in every shard."""
+        mine = []
+        for piece, i, off in self.pieces:
+            for k, v in self.optim.state.get(piece, {}).items():
+                per_element = torch.is_tensor(v) and v.shape == piece.shape
+                mine.append((i, k, off if per_element else None, v.cpu() if torch.is_tensor(v) else v))
+        everyone = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, everyone, dst=self.root, group=self.group)  # every rank must call state_dict()
+        if self.rank != 0:
+            return None
+        state = {}
+        for i, k, off, v in [t for rank_state in everyone for t in rank_state]:
+            whole = state.setdefault(i, {})
+            if off is None:
+                whole[k] = v
+                continue
+            if k not in whole:
+                whole[k] = torch.zeros(self.params[i].shape, dtype=v.dtype)
+            whole[k].view(-1)[off : off + len(v)] = v
+        groups = [dict(g, params=numbers) for g, numbers in zip(self.optim.param_groups, self.numbers)]
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        """Load a plain optimizer's state_dict (from state_dict(), or saved without ZeRO): every rank passes all
+        of it and keeps the slices of its own shard."""
+        saved = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved] != [len(numbers) for numbers in self.numbers]:
+            raise ValueError("ZeroDDP.load_state_dict: the parameter groups differ from this optimizer's")
+        # Saved and our parameter numbers, matched position by position within each group (as torch.optim does).
+        by_number = {i: state_dict["state"].get(s, {}) for g, numbers in zip(saved, self.numbers)
+                     for s, i in zip(g["params"], numbers)}
+        state = {}
+        for k, (piece, i, off) in enumerate(self.pieces):
+            for key, v in by_number[i].items():
+                if torch.is_tensor(v) and v.shape == self.params[i].shape:  # per element: my slice of it
+                    v = v.reshape(-1)[off : off + piece.numel()]
+                # A copy: torch's load_state_dict would keep the caller's tensor (always the step) and step it.
+                state.setdefault(k, {})[key] = v.clone() if torch.is_tensor(v) else v
+        ours = self.optim.state_dict()["param_groups"]  # our optimizer's own numbers for its pieces
+        groups = [dict(g, params=mine["params"]) for g, mine in zip(saved, ours)]
+        self.optim.load_state_dict({"state": state, "param_groups": groups})
+
+
+# --- model, data, what a rank holds ---
+NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2"}
+
+
+def build_model(args, device):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(args.seed)  # the same seed on every rank: identical replicas (the wrappers broadcast anyway)
+    cfg = GPT2Config(vocab_size=args.vocab_size, n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer,
+                     n_head=args.n_embd // 64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg).to(device)
+
+
+def tokens(step, args, device):
+    """Random tokens: a different batch on every rank (the seed adds the rank) and step, the same in every run."""
+    g = torch.Generator().manual_seed(args.seed + 7919 * step + RANK)
+    return torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=g).to(device)
+
+
+def loss_of(model, x):
+    return F.cross_entropy(model(input_ids=x[:, :-1]).logits.flatten(0, 1), x[:, 1:].flatten())
+
+
+def held_bytes(*tensor_lists):
+    """Bytes of the distinct storages behind each list of tensors: what a rank really holds, padding included."""
+    return [sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
+            for ts in tensor_lists]
+
+
+def memory_status():
+    """This process's memory counters from Linux (VmRSS, VmHWM, RssAnon, ...), in bytes."""
+    with open("/proc/self/status") as f:
+        rows = [line.split() for line in f if line.rstrip().endswith("kB")]
+    return {row[0].rstrip(":"): int(row[1]) * 1024 for row in rows}
+
+
+def peak_memory(fn, device):
+    """(fn(), the most memory in use while it ran, beyond what was in use before). CUDA: the allocator's tensor
+    bytes. CPU (Linux): the resident set less the libraries' code pages, with glibc returning freed blocks of
+    64 KiB or more to the system at once (main sets it), so that it counts memory in use, not memory once used."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        return fn(), torch.cuda.max_memory_allocated(device) - before
+    if not os.path.exists("/proc/self/clear_refs"):  # not Linux: no measure here
+        return fn(), float("nan")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the resident set's high-water mark (VmHWM) to its current size
+    before = memory_status()["RssAnon"]
+    out, now = fn(), memory_status()
+    return out, now["VmHWM"] - (now["VmRSS"] - now["RssAnon"]) - before  # the code pages are still resident now
+
+
+# --- training: one loop for DDP + AdamW and for ZeroDDP ---
+def train(kind, base, args, device):
+    """Train a copy of ``base`` with AdamW under PyTorch's DDP (kind 0) or ZeRO stage ``kind``."""
+    model = copy.deepcopy(base)
+    # Weight decay on matrices only, not on biases and LayerNorm gains: two parameter groups.
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2]},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opts = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if kind == 0:
+        ids = [device.index] if device.type == "cuda" else None
+        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
+        optimizer = inner = torch.optim.AdamW(groups, **opts)
+        sent = 2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)  # x (N-1)/N
+    else:  # one object is both the model to call and the optimizer to step
+        wrapped = optimizer = ZeroDDP(model, torch.optim.AdamW, kind, bucket_cap_mb=args.bucket_cap_mb, params=groups,
+                                      **opts)
+        inner = optimizer.optim
+        # x (N-1)/N of the buckets' bytes: stage 1 all-reduces (2) and all-gathers (1); stage 2 halves the first.
+        sent = (3 if kind == 1 else 2) * sum(b.flat.numel() * b.flat.element_size() for b in optimizer.buckets)
+    loss_of(wrapped, tokens(-1, args, device)).backward()  # warm-up, no step: DDP settles its buckets (README)
+    optimizer.zero_grad()
+    losses, t0 = [], time.perf_counter()
+    for step in range(args.steps):
+        loss = loss_of(wrapped, tokens(step, args, device))
+        loss.backward()
+        optimizer.step()
+        grads = [p.grad for g in inner.param_groups for p in g["params"] if p.grad is not None]
+        state = [v for s in inner.state.values() for v in s.values()]
+        held = held_bytes(model.parameters(), grads, state)  # at the step, when all three are alive
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    return dict(model=model, optimizer=optimizer, held=held, sent=sent * (WORLD - 1) / WORLD, losses=losses, ms=ms)
+
+
+def check(runs, kinds, device, atol):
+    """Weights bit-identical across ranks and equal to DDP + AdamW's: bit for bit where the gradient sums are (gloo,
+    or 2 ranks; README), else to ``atol``. One verdict for all ranks, so that all of them raise or none does."""
+    exact = dist.get_backend() == "gloo" or WORLD <= 2
+    ref = torch.cat([p.detach().reshape(-1) for p in runs[0]["model"].parameters()])
+    for kind in kinds[1:]:
+        w = torch.cat([p.detach().reshape(-1) for p in runs[kind]["model"].parameters()])
+        rank0 = w.clone()
+        dist.broadcast(rank0, src=0)
+        same = torch.equal(w, ref) if exact else torch.allclose(w, ref, rtol=0, atol=atol)
+        bad = torch.tensor([float(not torch.equal(rank0, w)), float(not same)], device=device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.any():
+            raise RuntimeError(f"{NAMES[kind]}: weights differ across ranks ({bad[0].item():.0f}) or from DDP's "
+                               f"({bad[1].item():.0f}, by up to {(w - ref).abs().max():.3g})")
+    return exact
+
+
+def main(args):
+    device = setup(args, min_world=1)
+    if device.type == "cpu" and sys.platform == "linux":
+        ctypes.CDLL(None).mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD (see peak_memory)
+    print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} torch={torch.__version__}")
+    import transformers
+    transformers.logging.set_verbosity_error()
+    base = build_model(args, device)
+    n = sum(p.numel() for p in base.parameters())
+    print0(f"GPT-2: {n / 1e6:.2f}M parameters, {4 * n / 2**20:.1f} MiB in fp32, AdamW's state {8 * n / 2**20:.1f} MiB "
+           f"| {args.steps} steps of {args.batch_size}x{args.seq_len} random tokens per rank")
+    kinds = [0, 1, 2]
+    if args.stage:
+        kinds = [0, args.stage]
+    loss_of(base, tokens(0, args, device)).backward()  # lazy initialisation (thread pools, kernels) before measuring
+    base.zero_grad(set_to_none=True)
+    runs = {}
+    for kind in kinds:
+        result, peak = peak_memory(functools.partial(train, kind, base, args, device), device)
+        runs[kind] = dict(result, peak=peak)
+        losses = result["losses"]
+        print0(f"{NAMES[kind]:<6} | rank 0 loss {losses[0]:.4f} -> {losses[-1]:.4f} | {result['ms']:7.1f} ms/step")
+    # Where sums differ in the last bit, AdamW moves an element by a small part of lr a step (README: 2.3e-6 in 5
+    # steps at lr 1e-3 on gloo with mismatched layouts): allow 1% of lr a step.
+    atol = 0.01 * args.lr * args.steps
+    exact = check(runs, kinds, device, atol)
+    # What every rank holds and sends, side by side: rank 0 prints one table for all.
+    table = [None] * WORLD
+    dist.all_gather_object(table, [(*runs[k]["held"], runs[k]["peak"], runs[k]["sent"]) for k in kinds])
+    print0("\n| rank | MiB | " + " | ".join(NAMES[k] for k in kinds) + " |\n|---:|---|" + "---:|" * len(kinds))
+    for rank, cols in enumerate(table):
+        for j, what in enumerate(["parameters", "gradients", "optimizer state", "peak memory", "sent per step"]):
+            ratios = [f" ({c[j] / cols[0][j]:.2f}x)" if j == 4 and cols[0][j] else "" for c in cols]
+            print0(f"| {rank} | {what} | " + " | ".join(f"{c[j] / 2**20:.2f}{r}" for c, r in zip(cols, ratios)) + " |")
+    print0("sent: the bytes a ring sends per rank (the busbw factor): all-reduce 2(N-1)/N of the buffer, "
+           "reduce-scatter and all-gather (N-1)/N each; gloo reduce-scatters by all-reducing a copy, NCCL halves it")
+    print0(f"OK {' and '.join(NAMES[k] for k in kinds[1:])} on {WORLD} rank(s): weights "
+           f"{'bit-identical to' if exact else f'within {atol:.1e} of'} DDP + AdamW's, ranks identical")
+
+
+def parse_args(argv=None):
+    p = parser(__doc__)
+    p.add_argument("--stage", type=int, choices=[1, 2], default=None, help="one ZeRO stage (default both; DDP always)")
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps per run")
+    p.add_argument("--n-layer", type=int, default=4, help="GPT-2 layers")
+    p.add_argument("--n-embd", type=int, default=256, help="GPT-2 width, a multiple of 64 (one head per 64)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="tokens in the vocabulary")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--bucket-cap-mb", type=float, default=1.0, help="gradient bucket size, for DDP and ZeRO alike")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (weight decay 0.1 on matrices)")
+    p.add_argument("--seed", type=int, default=0, help="model init (same on all ranks); the data adds the rank")
+    args = p.parse_args(argv)
+    if min(args.steps, args.n_layer, args.vocab_size, args.seq_len, args.batch_size) < 1 or args.n_embd % 64:
+        p.error("--steps, --n-layer, --vocab-size, --seq-len, --batch-size must be >= 1, --n-embd a multiple of 64")
+    if not (args.lr > 0 and args.bucket_cap_mb > 0):
+        p.error("--lr and --bucket-cap-mb must be > 0")
+    return args
+
+
+if __name__ == "__main__":
+    run(main, parse_args)

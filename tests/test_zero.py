@@ -1,0 +1,65 @@
+"""07: ZeroDDP against PyTorch's DDP + AdamW and its ZeroRedundancyOptimizer, and the script end to end (gloo)."""
+
+import launch
+import pytest
+from conftest import load_script
+
+SCRIPT = "07_zero.py"
+# Small: a 0.93M-parameter GPT-2 whose optimizer state (7 MiB) still shows next to its activations.
+TINY = ["--n-layer", "2", "--n-embd", "128", "--seq-len", "64", "--steps", "2", "--bucket-cap-mb", "0.25"]
+
+
+def test_zero_equals_ddp_and_zero_redundancy_optimizer():
+    # 3 ranks: a parameter with fewer elements than ranks, and gradient sums whose order matters in the last bit.
+    res = launch.run(launch.torchrun_cmd("tests/workers/zero_worker.py", 3), timeout=180)
+    assert not res.timed_out and res.returncode == 0, res.output
+    assert res.ok_line(), res.output
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--stage", "3"], "invalid choice: 3"),
+    (["--lrr", "0.1"], "unrecognized arguments: --lrr"),
+    (["--n-embd", "100"], "multiple of 64"),
+    (["--steps", "0"], "must be >= 1"),
+    (["--bucket-cap-mb", "0"], "must be > 0"),
+])
+def test_bad_flags_are_one_usage_error(argv, says):
+    script = load_script(SCRIPT)
+    with pytest.raises(script.UsageError, match=says):
+        script.parse_args(argv)
+
+
+def test_bad_flag_is_one_line_and_exit_2():
+    res = launch.python(SCRIPT, ["--stage", "3"], timeout=60)
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: argument --stage"), res.output
+
+
+def table(output):
+    """{(rank, what): [DDP, ZeRO-1, ZeRO-2] in MiB} from the script's markdown table."""
+    rows = {}
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].isdigit():
+            rows[int(cells[0]), cells[1]] = [float(c.split()[0]) for c in cells[2:]]
+    return rows
+
+
+@pytest.mark.slow
+def test_script_end_to_end():
+    res = launch.torchrun(SCRIPT, 2, TINY, timeout=240)
+    assert not res.timed_out and res.returncode == 0, res.output
+    ok = res.ok_line()
+    assert ok and "ZeRO-1 and ZeRO-2 on 2 rank(s): weights bit-identical to DDP + AdamW's" in ok, res.output
+    rows = table(res.output)
+    for rank in (0, 1):
+        params, grads, state, peak, sent = (rows[rank, what] for what in (
+            "parameters", "gradients", "optimizer state", "peak memory", "sent per step"))
+        assert params[0] == pytest.approx(params[1], abs=0.01) == pytest.approx(params[2], abs=0.01)
+        # Held: stage 2 halves the gradients; both stages halve the optimizer state (up to padding and step counts).
+        assert grads[1] == pytest.approx(grads[0], abs=0.01) and grads[2] == pytest.approx(grads[0] / 2, abs=0.01)
+        assert state[1] == pytest.approx(state[0] / 2, abs=0.02) and state[2] == pytest.approx(state[0] / 2, abs=0.02)
+        # Peak memory falls by at least most of what each stage stops holding (DDP also keeps its own buckets).
+        assert peak[0] - peak[1] > 0.8 * (state[0] - state[1]), peak
+        assert peak[1] - peak[2] > 0.5 * (grads[1] - grads[2]), peak
+        assert sent[1] == pytest.approx(1.5 * sent[0], rel=0.01) and sent[2] == pytest.approx(sent[0], rel=0.01)
