@@ -1,7 +1,8 @@
 """07: ZeroDDP against PyTorch's DDP + AdamW and its ZeroRedundancyOptimizer, and the script end to end (gloo)."""
 
-import launch
 import pytest
+
+import launch
 from conftest import load_script
 
 SCRIPT = "07_zero.py"
