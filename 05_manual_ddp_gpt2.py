@@ -44,6 +44,7 @@ ADAMW_BETAS = (0.9, 0.95)  # GPT-2's (and nanoGPT's); PyTorch's default 0.999 re
 LR_FLOOR = 0.1  # the cosine schedule ends at this fraction of --lr
 SEED_STRIDE = 7919  # dropout seed = seed + stride * step + rank: a prime, so no two (step, rank) pairs share one
 SAMPLE_TOP_K, SAMPLE_TEMPERATURE = 20, 0.8  # the generated sample at the end
+PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "L4": 121, "A10G": 125}  # dense bf16, for MFU
 
 # --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
 RANK, WORLD = 0, 1
@@ -716,8 +717,10 @@ def build_model(args):
         # The same seed on every rank gives identical replicas before any broadcast; ManualDDP broadcasts
         # rank 0's weights anyway, and verify=True would check this instead.
         torch.manual_seed(args.seed)
+        # gelu_pytorch_tanh: the same function as GPT-2's gelu_new, as one fused kernel instead of ~8 on a GPU.
         cfg = GPT2Config(vocab_size=len(tok), n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer,
                          n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         activation_function="gelu_pytorch_tanh",
                          bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
         model = GPT2LMHeadModel(cfg)
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
@@ -816,6 +819,32 @@ def lr_factor(step, args):
     return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def compile_blocks(model, backend="inductor"):
+    """Regional compilation, as torchtitan does: each transformer block compiled on its own. A block's gradients
+    are then ready, and their buckets sent, as soon as its backward ends, while earlier blocks still run theirs.
+    torch.compile(model) would hand over every gradient only after the whole compiled backward: no overlap left
+    (PyTorch's DDP avoids that by splitting the graph at its buckets, which only works for its own class)."""
+    blocks = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)  # the stack of blocks
+    for block in blocks:
+        block.compile(backend=backend)
+    return len(blocks)
+
+
+def flops_per_token(model, seq_len):
+    """Training FLOPs a token, as nanoGPT counts them: 6 per weight (forward and backward) plus attention."""
+    cfg = model.config
+    weights = sum(p.numel() for n, p in model.named_parameters() if "wpe" not in n and "position" not in n)
+    return 6 * weights + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+
+
+def peak_tflops(args, device):
+    """The GPUs' peak for MFU: --peak-tflops, else PEAK_TFLOPS' entry for this GPU in bf16/fp16, else None."""
+    if args.peak_tflops or device.type != "cuda" or args.precision not in ("bf16", "fp16"):
+        return args.peak_tflops
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for gpu, tflops in PEAK_TFLOPS.items() if gpu in name), None)
+
+
 def wrap(model, impl, args, device):
     """The model as each --impl trains it: ours, PyTorch's (same bucket size) or the naive tutorial's."""
     device_ids = [device.index] if device.type == "cuda" else None
@@ -852,11 +881,15 @@ def train(args, device, local_rank):
     print0(f"data: {len(ids):,} tokens, {len(data):,} blocks of {args.seq_len}, {per_epoch} micro-batches "
            f"per rank per epoch | model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     model.to(device)
+    if args.compile:
+        print0(f"compiling {compile_blocks(model)} blocks one by one (the first steps wait for it)")
     ckpt_path, ckpt = resume_state(args.out, model, device)
     if ckpt:
         model.load_state_dict(ckpt["model"])
     ddp = wrap(model, args.impl, args, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=ADAMW_BETAS, weight_decay=args.weight_decay)
+    # The fused kernel on a GPU; the CPU keeps the per-tensor loop, which the tests check bit for bit.
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=ADAMW_BETAS, weight_decay=args.weight_decay,
+                            fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16 needs loss scaling
     start = 0
@@ -877,6 +910,8 @@ def train(args, device, local_rank):
     autocast = lambda: torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)  # noqa: E731
     batches = batches_from(data, per_epoch, args, start_micro=start * args.grad_accum)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * WORLD
+    flops_per_step = flops_per_token(model, args.seq_len) * tokens_per_step
+    peak = peak_tflops(args, device)
     bar = tqdm(total=args.max_steps, initial=start, disable=RANK != 0 or not sys.stderr.isatty(), unit="step")
     say = tqdm.write if not bar.disable else print0  # print above the bar, not through it
     profiler = contextlib.ExitStack()
@@ -938,7 +973,9 @@ def train(args, device, local_rank):
                 dt = (time.perf_counter() - t_log) / len(losses)
                 line = (f"step {step + 1:>5}/{args.max_steps} | loss {last_loss:7.4f} "
                         f"| lr {sched.get_last_lr()[0]:.2e} | {dt * 1e3:7.1f} ms/step "
-                        f"| {tokens_per_step / dt:9,.0f} tok/s")
+                        f"| {tokens_per_step / dt:9,.0f} tok/s | {flops_per_step / dt / 1e12:6.2f} TFLOP/s")
+                if peak:  # model FLOP utilisation: the share of the GPUs' peak the model's own work reaches
+                    line += f" | MFU {flops_per_step / dt / 1e12 / (peak * WORLD):.1%}"
                 say(line)
                 losses, t_log = [], time.perf_counter()
     bar.close()
@@ -985,6 +1022,10 @@ def sample(args, tok, model, device):
 
 def main(args):
     device = setup(args, min_world=1)
+    if args.precision == "auto":
+        args.precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if device.type == "cuda":  # TF32 matmuls: float32's range, 10-bit mantissa, tensor-core speed
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} impl={args.impl} "
            f"precision={args.precision} torch={torch.__version__}")
     import transformers
@@ -1020,7 +1061,11 @@ def parse_args(argv=None):
     g.add_argument("--warmup-steps", type=int, default=30, help="linear warm-up steps before cosine decay")
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the synced gradient norm (0: off)")
-    g.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="autocast dtype")
+    g.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="autocast dtype; auto: bf16 on a GPU that has it, fp32 on the CPU (exact, as the tests check)")
+    g.add_argument("--compile", action="store_true", help="torch.compile each transformer block (overlap kept)")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="the GPU's peak TFLOP/s at --precision, for MFU (known for some GPUs in bf16)")
     g.add_argument("--seed", type=int, default=0, help="model init (same on all ranks) and data order")
     g = p.add_argument_group("DDP")
     g.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual", help="whose DDP")
@@ -1045,7 +1090,7 @@ def parse_args(argv=None):
                  "n_layer", "n_embd", "n_head", "stdlib_files"):
         if getattr(args, name) < 1:
             p.error(f"{flag[name]} must be >= 1, got {getattr(args, name)}")
-    for name in ("lr", "bucket_cap_mb"):
+    for name in ("lr", "bucket_cap_mb", "peak_tflops"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             p.error(f"{flag[name]} must be > 0, got {getattr(args, name)}")
     for name in ("warmup_steps", "weight_decay", "max_grad_norm", "sample_tokens"):

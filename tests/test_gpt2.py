@@ -174,3 +174,20 @@ def test_dead_peer_is_one_clear_line():
     errors = [ln for ln in survivor.output.splitlines() if "error:" in ln]
     assert survivor.returncode == 1 and len(errors) == 1, survivor.output
     assert errors[0].startswith("[rank 0/2] error: lost a peer") and "Traceback" not in survivor.output, survivor.output
+
+
+def test_compile_keeps_losses_and_overlap():
+    res = launch.run(launch.torchrun_cmd("tests/workers/compile_worker.py", 2), timeout=240)
+    assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output
+
+
+@pytest.mark.slow
+def test_compiled_run_end_to_end():
+    """--compile with the default backend (inductor, which needs a C++ compiler on the CPU) trains as eager does."""
+    args = TINY + ["--max-steps", 4, "--sample-tokens", 0]
+    eager = launch.torchrun(SCRIPT, 2, args, timeout=240)
+    compiled = launch.torchrun(SCRIPT, 2, args + ["--compile"], timeout=400)
+    assert eager.returncode == 0 and compiled.returncode == 0 and compiled.ok_line(), compiled.output
+    loss = [[float(ln.split("| loss")[1].split()[0]) for ln in r.output.splitlines() if "| loss" in ln]
+            for r in (eager, compiled)]
+    assert len(loss[0]) == len(loss[1]) > 1 and all(abs(a - b) < 1e-3 for a, b in zip(*loss)), loss
