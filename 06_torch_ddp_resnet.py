@@ -178,6 +178,26 @@ def load_data(args, local_rank):
     return first(train, args.max_train_samples), first(val, args.max_val_samples)
 
 
+class InMemory:
+    """The data set decoded once into two tensors on the training device (all of MNIST is 47 MB as bytes), and
+    batches indexed out of them through the same DistributedSampler: the same samples per rank and epoch as the
+    DataLoader, without per-sample Python work between the GPU and its next batch."""
+
+    def __init__(self, dataset, sampler, batch_size, device, drop_last=False):
+        images, labels = zip(*(dataset[i] for i in range(len(dataset))))  # decoded (and normalised) once
+        self.x, self.y = torch.stack(images).to(device), torch.tensor(labels, device=device)
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+
+    def __len__(self):
+        return len(self.sampler) // self.batch_size if self.drop_last else -(-len(self.sampler) // self.batch_size)
+
+    def __iter__(self):
+        order = torch.tensor(list(self.sampler), device=self.x.device)  # this rank's indices for this epoch
+        for k in range(len(self)):
+            take = order[k * self.batch_size:(k + 1) * self.batch_size]
+            yield self.x[take], self.y[take]
+
+
 def first(dataset, n):
     """The first n samples (all if n is 0): a quick run on a slice of the data."""
     return torch.utils.data.Subset(dataset, range(min(n, len(dataset)))) if n else dataset
@@ -242,7 +262,7 @@ def resume_state(out, device):
 
 
 # --- training and validation ---
-def evaluate(model, loader, device, n_total):
+def evaluate(model, loader, device, n_total, layout):
     """Loss and accuracy over the whole validation set, whatever the number of ranks.
 
     DistributedSampler pads the last round with duplicates so all ranks get equal batches. Slot k of rank r is
@@ -253,7 +273,7 @@ def evaluate(model, loader, device, n_total):
     k = 0
     with torch.no_grad():
         for x, y in loader:
-            x, y = x.to(device), y.to(device)
+            x, y = x.to(device, memory_format=layout), y.to(device)
             real = (torch.arange(k, k + len(y), device=device) * WORLD + RANK) < n_total
             k += len(y)
             logits = model(x)
@@ -275,17 +295,23 @@ def main(args):
     # Same seed everywhere: one permutation, cut into disjoint shards. Validation is not shuffled; it is padded.
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
     val_sampler = DistributedSampler(val_set, shuffle=False)
-    train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, num_workers=args.workers,
-                              drop_last=True)
-    val_loader = DataLoader(val_set, args.batch_size, sampler=val_sampler, num_workers=args.workers)
+    if args.input == "memory" or (args.input == "auto" and device.type == "cuda"):
+        train_loader = InMemory(train_set, train_sampler, args.batch_size, device, drop_last=True)
+        val_loader = InMemory(val_set, val_sampler, args.batch_size, device)
+    else:  # worker processes decode batches ahead; pinned memory lets the copy to a GPU run asynchronously
+        kw = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
+        train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, drop_last=True, **kw)
+        val_loader = DataLoader(val_set, args.batch_size, sampler=val_sampler, **kw)
     if len(train_loader) == 0:
         raise UsageError(f"{len(train_set)} training samples are too few for {WORLD} ranks "
                          f"x --batch-size {args.batch_size}")
     print0(f"data: {args.dataset}, {len(train_set):,} train / {len(val_set):,} val samples, "
-           f"{len(train_loader)} steps per epoch per rank")
+           f"{len(train_loader)} steps per epoch per rank, {type(train_loader).__name__}")
 
     torch.manual_seed(args.seed)  # identical init everywhere (DDP also broadcasts rank 0's weights)
     model = build_model().to(device)
+    layout = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+    model = model.to(memory_format=layout)  # on a GPU, NHWC: the layout its convolution kernels prefer
     if args.sync_bn and device.type == "cuda":
         # BatchNorm normalises with the statistics of its own rank's batch. SyncBatchNorm all-reduces them
         # over ranks (one extra collective per BN layer per step), which helps when per-GPU batches are tiny.
@@ -334,7 +360,7 @@ def main(args):
             if step == args.crash_at_step and RANK == WORLD - 1 and first_attempt:
                 log(f"--crash-at-step {step}: SIGKILL to myself (first attempt only)")
                 os.kill(os.getpid(), signal.SIGKILL)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x, y = x.to(device, non_blocking=True, memory_format=layout), y.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = nn.functional.cross_entropy(ddp(x).float(), y)
             scaler.scale(loss).backward()  # DDP all-reduces gradient buckets during this call
@@ -348,7 +374,7 @@ def main(args):
         train = torch.stack([loss_sum, torch.tensor(float(seen), device=device)])
         dist.all_reduce(train)
         elapsed = time.perf_counter() - t0
-        val_loss, val_acc, n_val = evaluate(ddp, val_loader, device, len(val_set))
+        val_loss, val_acc, n_val = evaluate(ddp, val_loader, device, len(val_set), layout)
         print0(f"epoch {epoch + 1:>3}/{args.epochs} | train loss {(train[0] / train[1]).item():.4f} | val loss "
                f"{val_loss:.4f} | val acc {val_acc:.4f} ({n_val} samples) | {train[1].item() / elapsed:,.0f} samples/s")
         if args.out and RANK == 0:  # global rank 0: one writer, even with many nodes
@@ -406,7 +432,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05, help="peak learning rate (one-cycle schedule)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="autocast dtype")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (GPU only)")
-    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank")
+    p.add_argument("--input", choices=["auto", "loader", "memory"], default="auto",
+                   help="memory: decode the data once, batches indexed on the device; auto: memory on a GPU")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (--input loader)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="checkpoint every epoch, resume from it, final model.pt")
     p.add_argument("--nproc", type=int, default=0, help="start this many local processes yourself (no torchrun)")

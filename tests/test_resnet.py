@@ -86,3 +86,23 @@ def test_plain_python_is_one_process_and_sync_bn_explains_itself():
     res = launch.python(SCRIPT, FAKE + ["--epochs", "1", "--sync-bn"], timeout=180)
     assert res.returncode == 0 and res.ok_line() and "world_size=1" in res.output, res.output
     assert "CUDA-only" in res.output
+
+
+def test_in_memory_batches_equal_the_dataloaders(script):
+    """--input memory: the same samples per rank and epoch as the DataLoader path, through the same sampler."""
+    import torchvision.datasets as D
+    import torchvision.transforms as T
+    from torch.utils.data import DataLoader, DistributedSampler
+    InMemory = script(SCRIPT).InMemory
+    data = D.FakeData(37, (1, 28, 28), 10, T.ToTensor(), random_offset=0)
+    for rank in range(3):
+        for drop_last in (True, False):
+            sampler = DistributedSampler(data, num_replicas=3, rank=rank, shuffle=True, seed=0, drop_last=drop_last)
+            memory = InMemory(data, sampler, 4, torch.device("cpu"), drop_last=drop_last)
+            loader = DataLoader(data, 4, sampler=sampler, drop_last=drop_last)
+            for epoch in (0, 1):
+                sampler.set_epoch(epoch)
+                ours, theirs = list(memory), list(loader)
+                assert len(ours) == len(theirs) == len(memory) == len(loader) > 0
+                for (x, y), (x2, y2) in zip(ours, theirs):
+                    assert torch.equal(x, x2) and torch.equal(y, y2), (rank, drop_last, epoch)
