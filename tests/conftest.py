@@ -25,7 +25,7 @@ def identical_across_ranks(tensors):
     flat = torch.cat([t.detach().flatten() for t in tensors])
     ref = flat.clone()
     dist.broadcast(ref, src=0)
-    ok = torch.tensor([int(torch.equal(ref, flat))])
+    ok = torch.tensor([int(torch.equal(ref, flat))], device=flat.device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # one verdict for all, so every rank fails together
     return bool(ok.item())
 

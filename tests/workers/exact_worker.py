@@ -1,5 +1,8 @@
 """Run under torchrun (2-4 ranks): ManualDDP's weights are bit-identical to PyTorch's DDP after EVERY step.
 
+TEST_DEVICE=cuda (the GPU tier) runs the same on CUDA tensors, ranks sharing GPUs over gloo unless
+TEST_BACKEND=nccl; deterministic kernels there (the embedding's backward otherwise adds with atomics).
+
 With 3+ ranks the ring sums each element in an order that depends on where it sits in its bucket, so bit-identity
 needs DDP's bucket layout at every step: one bucket in parameter order first, then the buckets rebuilt once in the
 order gradients really arrived (static_graph: one step later; find_unused_parameters: never rebuilt).
@@ -19,6 +22,7 @@ from conftest import identical_across_ranks, load_script  # noqa: E402
 
 ManualDDP = load_script("05_manual_ddp_gpt2.py").ManualDDP
 DDP = nn.parallel.DistributedDataParallel
+DEVICE = torch.device("cpu")
 
 
 class OutOfOrder(nn.Module):
@@ -49,7 +53,7 @@ def gpt2():
 
 def batch(step, rank, micro=0):
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
-    return torch.randint(0, 64, (4, 9), generator=g)
+    return torch.randint(0, 64, (4, 9), generator=g).to(DEVICE)
 
 
 def loss_of(model, data, **kw):
@@ -61,7 +65,9 @@ def loss_of(model, data, **kw):
 def train_both(make, steps=5, accum=1, **kw):
     """Train ManualDDP and DDP from the same weights on the same data; compare bit for bit after every step."""
     torch.manual_seed(0)
-    base = make()
+    base = make().to(DEVICE)
+    if DEVICE.type == "cuda":
+        kw = dict(kw, device_ids=[DEVICE.index])
     ours, theirs = ManualDDP(copy.deepcopy(base), **kw), DDP(copy.deepcopy(base), **kw)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
     rank = dist.get_rank()
@@ -87,13 +93,21 @@ def check_exact():
         train_both(make, accum=3, bucket_cap_mb=0.005)
     ours = train_both(lambda: OutOfOrder(unused=True), find_unused_parameters=True, bucket_cap_mb=0.01)
     assert ours.module.unused.weight.grad is None
+    if DEVICE.type == "cuda":  # bf16 autocast, as GPU users train: still bit-identical
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            train_both(gpt2)
     n = len(list(OutOfOrder().parameters())) - 1  # tied: one tensor
     # The rebuilt order is not reversed registration order for this model: the point of observing it.
     assert layouts[("OutOfOrder", ())] != [list(range(n))[::-1]], layouts[("OutOfOrder", ())]
 
 
 def main():
-    dist.init_process_group("gloo")
+    global DEVICE
+    if os.environ.get("TEST_DEVICE") == "cuda":
+        DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(DEVICE)
+        torch.use_deterministic_algorithms(True)
+    dist.init_process_group(os.environ.get("TEST_BACKEND", "gloo"))
     check_exact()
     dist.barrier()
     if dist.get_rank() == 0:

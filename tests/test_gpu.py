@@ -1,0 +1,82 @@
+"""The GPU tier (`pytest -m gpu`): every script on a real GPU, and ManualDDP against DDP on CUDA tensors.
+
+Skipped, with its reason, where CUDA is absent; part of the README's test command everywhere. On one GPU: 05-08 as
+one rank on NCCL, and every script as 2 ranks sharing the GPU over gloo (NCCL refuses two ranks on one GPU). 01-04
+need 2 ranks, so they meet NCCL only where there are 2 GPUs or more, as does ManualDDP against DDP on NCCL.
+"""
+
+import pytest
+import torch
+
+import launch
+
+N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(N_GPUS == 0, reason="needs a CUDA GPU (the GPU tier)")]
+two_gpus = pytest.mark.skipif(N_GPUS < 2, reason="needs 2 or more GPUs")
+
+ARGS = {
+    "01_send_recv.py": [],
+    "02_broadcast.py": ["--src", "1"],
+    "03_all_reduce.py": [],
+    "04_sampler.py": [],
+    "05_manual_ddp_gpt2.py": ["--n-layer", "2", "--n-embd", "64", "--seq-len", "64", "--batch-size", "4",
+                              "--stdlib-files", "5", "--max-steps", "6", "--log-every", "3", "--sample-tokens", "8"],
+    "06_torch_ddp_resnet.py": ["--dataset", "fake", "--fake-size", "64", "--batch-size", "8", "--epochs", "1",
+                               "--precision", "bf16", "--sync-bn"],
+    "07_zero.py": ["--n-layer", "2", "--n-embd", "64", "--steps", "3"],
+    "08_fsdp.py": ["--n-layer", "2", "--n-embd", "64", "--steps", "3"],
+}
+ENV = dict(CUBLAS_WORKSPACE_CONFIG=":4096:8")  # lets deterministic cuBLAS run, for the bit-for-bit workers
+
+
+def scripts(names):
+    return [n for n in names if (launch.REPO / n).exists()]
+
+
+@pytest.mark.parametrize("name", scripts(["05_manual_ddp_gpt2.py", "06_torch_ddp_resnet.py", "07_zero.py",
+                                          "08_fsdp.py"]))
+def test_one_rank_on_nccl(name):
+    res = launch.torchrun(name, 1, ARGS[name], timeout=600, device="cuda")
+    assert res.returncode == 0 and res.ok_line(), res.output
+    assert "backend=nccl" in res.output.replace(" ", "") or "nccl" in res.output, res.output
+
+
+@pytest.mark.parametrize("name", scripts(ARGS))
+def test_two_ranks_share_one_gpu_over_gloo(name):
+    res = launch.torchrun(name, 2, ARGS[name] + ["--backend", "gloo"], timeout=600, device="cuda")
+    assert res.returncode == 0 and res.ok_line(), res.output
+    if N_GPUS < 2:
+        assert "2 ranks share 1 GPU(s) over gloo" in res.output, res.output
+
+
+def test_auto_with_fewer_gpus_than_ranks_runs_on_cpu_and_says_why():
+    res = launch.torchrun("03_all_reduce.py", N_GPUS + 1, [], timeout=300, device="auto")
+    assert res.returncode == 0 and res.ok_line() and "device=cpu" in res.output, res.output
+    assert f"--nproc_per_node={N_GPUS}" in res.output and "--device cuda --backend gloo" in res.output
+
+
+def test_nccl_with_fewer_gpus_than_ranks_is_one_error_line():
+    results = launch.ranks("03_all_reduce.py", N_GPUS + 1, ["--backend", "nccl"], device="cuda", timeout=120)
+    assert all(r.returncode == 2 for r in results), [r.output for r in results]
+    lines = [ln for r in results for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: nccl needs one GPU per rank"), lines
+
+
+def test_manual_ddp_bit_identical_to_ddp_on_cuda_over_gloo():
+    res = launch.run(launch.torchrun_cmd("tests/workers/exact_worker.py", 2), timeout=600,
+                     env=launch.make_env(TEST_DEVICE="cuda", **ENV))
+    assert res.returncode == 0 and res.ok_line(), res.output
+
+
+@two_gpus
+@pytest.mark.parametrize("name", scripts(["01_send_recv.py", "02_broadcast.py", "03_all_reduce.py", "04_sampler.py"]))
+def test_two_ranks_on_nccl(name):
+    res = launch.torchrun(name, 2, ARGS[name], timeout=300, device="cuda")
+    assert res.returncode == 0 and res.ok_line() and "nccl" in res.output, res.output
+
+
+@two_gpus
+def test_manual_ddp_bit_identical_to_ddp_on_nccl():
+    res = launch.run(launch.torchrun_cmd("tests/workers/exact_worker.py", 2), timeout=600,
+                     env=launch.make_env(TEST_DEVICE="cuda", TEST_BACKEND="nccl", **ENV))
+    assert res.returncode == 0 and res.ok_line(), res.output
