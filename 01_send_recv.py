@@ -42,8 +42,9 @@ def print0(*msg):
 
 
 def log(*msg):
-    """A per-rank line, tagged so interleaved output stays readable."""
-    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)
+    """A per-rank line, tagged so interleaved output stays readable; one write, so lines never mix mid-line."""
+    sys.stdout.write(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n")
+    sys.stdout.flush()
 
 
 def parser(doc, timeout_s=120):
@@ -137,7 +138,7 @@ def who_am_i(device):
     # parallel (tensor, pipeline, FSDP's hybrid sharding) are laid out on such a mesh, one dimension each.
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", WORLD))
     mesh = init_device_mesh(device.type, (WORLD // per_node, per_node), mesh_dim_names=("node", "local"))
-    print0(f"mesh: {mesh}")
+    print0(f"DeviceMesh, dimensions {mesh.mesh_dim_names}: {mesh.mesh.tolist()}")
     log(f"my (node, local) coordinate in the mesh: {tuple(mesh.get_coordinate())}")
 
 

@@ -32,6 +32,7 @@ import signal
 import sys
 import time
 import traceback
+import weakref
 from datetime import timedelta
 
 import torch
@@ -61,8 +62,9 @@ def print0(*msg):
 
 
 def log(*msg):
-    """A per-rank line, tagged so interleaved output stays readable."""
-    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)
+    """A per-rank line, tagged so interleaved output stays readable; one write, so lines never mix mid-line."""
+    sys.stdout.write(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n")
+    sys.stdout.flush()
 
 
 def parser(doc, timeout_s=120):
@@ -174,6 +176,13 @@ class _Bucket:
         return [self._buffer[o:o + p.numel()].view_as(p) for o, p in zip(offsets, self.params)]
 
 
+def _call(wrapper, method, *args):
+    """Call a method of the wrapper behind a weak reference, if the wrapper still exists."""
+    target = wrapper()
+    if target is not None:
+        return getattr(target, method)(*args)
+
+
 def bucket_layout(params, order, caps):
     """Cut parameters (taken in `order`) into buckets as DDP does: a running bucket per dtype and device is closed
     once it holds caps[0] bytes; later buckets of that kind use the next cap in the list (the last one repeats)."""
@@ -273,13 +282,16 @@ class ManualDDP(nn.Module, Joinable):
         self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
         self._hook_counts = [0] * len(self.params)  # static_graph: hooks per parameter seen in the first backward
         self._divisor, self._divide_by_initial, self._fresh = self.world, True, set()
+        # The hooks reach the wrapper through a weak reference: a wrapper that is dropped (say, to wrap the model
+        # anew) must be freed, not stay alive through its hooks and keep answering every backward.
+        me = weakref.ref(self)
         for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
+            p.register_post_accumulate_grad_hook(functools.partial(_call, me, "_on_grad_ready", i))
         # delay_all_reduce_named_params: one bucket of its own, sent when param_to_hook_all_reduce's gradient is
         # computed (for parameters another parallelism treats first).
         self._delayed = _Bucket(list(delayed.values()), -1, 0) if delayed else None
         if delayed:
-            param_to_hook_all_reduce.register_hook(self._launch_delayed)
+            param_to_hook_all_reduce.register_hook(functools.partial(_call, me, "_launch_delayed"))
 
     # -- the hot path: forward, a hook per parameter, the end of backward --
     def forward(self, *inputs, **kwargs):

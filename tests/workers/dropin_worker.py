@@ -7,6 +7,7 @@ delayed all-reduce, and the error for a gradient that becomes ready twice.
 """
 
 import copy
+import gc
 import os
 import sys
 
@@ -290,6 +291,11 @@ def check_constructor():
         assert "seed" in str(e)
     ManualDDP(net)  # broadcasts rank 0's weights
     assert identical_across_ranks(list(net.parameters()))
+    gc.collect()
+    again = ManualDDP(net)  # the same module wrapped anew: the dropped wrapper's hooks must stay quiet
+    with Counting() as c:
+        step_of(again, 0, RANK)
+    assert c.calls == ["all_reduce"] * len(again.buckets), c.calls
 
 
 def main():
