@@ -1,17 +1,18 @@
-"""05 - A hand-written DDP (bucketed, overlapped with backward, no_sync) training a Hugging Face GPT-2.
+"""05 - DDP by hand: a drop-in for torch.nn.parallel.DistributedDataParallel, training a Hugging Face GPT-2.
 
-What it teaches: ManualDDP below does what torch.nn.parallel.DistributedDataParallel does, in ~120 lines:
-broadcast rank 0's weights at start; pack gradients into buckets in reverse registration order; start each
-bucket's all-reduce from a backward hook as soon as its last gradient lands, so communication overlaps the
-rest of backward; skip communication inside no_sync() for gradient accumulation. The tests check it equal to
-one process on the whole batch and to PyTorch's DDP. The training loop around it is crash-safe: atomic
-checkpoints from global rank 0, automatic resume, and survival of killed workers under torchrun --max-restarts.
+What it teaches: ManualDDP below does what PyTorch's DDP does, with its arguments and its results (bit for bit):
+broadcast rank 0's weights at start; pack gradients into buckets, first in parameter order, then rebuilt once in
+the order the first backward really produced them; start each bucket's all-reduce from a backward hook as soon
+as its last gradient lands, so communication overlaps the rest of backward; no communication at all while
+accumulating (no_sync). Then the drop-in surface: buffers, process groups, communication hooks, uneven inputs.
+The training loop around it is crash-safe: atomic checkpoints from global rank 0, resume from the newest one that
+loads, one run per --out, and survival of killed workers under torchrun --max-restarts.
 
 Run it (the default trains a small GPT-2 offline on Python's own standard library sources):
   1 process:  python 05_manual_ddp_gpt2.py
   CPU:        torchrun --nproc_per_node=2 05_manual_ddp_gpt2.py
   N GPUs:     torchrun --nproc_per_node=N 05_manual_ddp_gpt2.py --model gpt2 --dataset wikitext \\
-                  --dataset-config wikitext-2-raw-v1 --precision bf16 --seq-len 512
+                  --dataset-config wikitext-2-raw-v1 --seq-len 512 --compile
   2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 \\
                   05_manual_ddp_gpt2.py --out ckpt
   restarts:   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 \\
@@ -281,7 +282,7 @@ class ManualDDP(nn.Module, Joinable):
         self._order, self._syncs, self._queued, self._next, self._hook = [], 0, False, 0, None
         self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
         self._hook_counts = [0] * len(self.params)  # static_graph: hooks per parameter seen in the first backward
-        self._divisor, self._divide_by_initial, self._fresh = self.world, True, set()
+        self._divisor, self._divide_by_initial, self._fresh, self._joining = self.world, True, set(), False
         # The hooks reach the wrapper through a weak reference: a wrapper that is dropped (say, to wrap the model
         # anew) must be freed, not stay alive through its hooks and keep answering every backward.
         me = weakref.ref(self)
@@ -289,7 +290,7 @@ class ManualDDP(nn.Module, Joinable):
             p.register_post_accumulate_grad_hook(functools.partial(_call, me, "_on_grad_ready", i))
         # delay_all_reduce_named_params: one bucket of its own, sent when param_to_hook_all_reduce's gradient is
         # computed (for parameters another parallelism treats first).
-        self._delayed = _Bucket(list(delayed.values()), -1, 0) if delayed else None
+        self._delayed = [_Bucket(list(delayed.values()), -1, 0)] if delayed else []  # zero or one bucket
         if delayed:
             param_to_hook_all_reduce.register_hook(functools.partial(_call, me, "_launch_delayed"))
 
@@ -298,7 +299,7 @@ class ManualDDP(nn.Module, Joinable):
         notified = Join.notify_join_context(self)  # inside join(): an all-reduce counting the ranks still training
         if notified is not None and not self._divide_by_initial:
             self._divisor = int(notified.get_future().wait()[0].item())
-        if self._join_config.enable:  # tell ranks that have joined whether this backward will communicate
+        if self._joining:  # tell ranks that have joined whether this backward will communicate
             dist.all_reduce(torch.tensor([float(self.require_backward_grad_sync)], device=self.device),
                             group=self.process_group, async_op=True)
         if torch.is_grad_enabled():
@@ -320,9 +321,9 @@ class ManualDDP(nn.Module, Joinable):
         # optimizer.zero_grad()) gets a fresh tensor. With .grad already a view of the bucket there is
         # nothing to copy in and nothing to copy back (PyTorch's DDP copies in, then out again by default).
         self._fresh = set()  # parameters whose .grad this forward created (find_unused: None again if no rank used it)
-        for b in self.buckets + ([self._delayed] if self._delayed else []):
+        for b in self.buckets + self._delayed:
             missing = [i for i, p in enumerate(b.params) if p.grad is None]
-            if b is not self._delayed:
+            if b not in self._delayed:
                 self._fresh.update(self.layout[b.index()][i] for i in missing)
             if len(missing) == len(b.params):
                 b.flat.zero_()  # the usual case: one fill for the whole bucket
@@ -408,7 +409,7 @@ class ManualDDP(nn.Module, Joinable):
         self._launch_ready()
         if self.find_unused_parameters:
             dist.all_reduce(self._used, group=self.process_group)  # which parameters some rank used
-        for b in self.buckets + ([self._delayed] if self._delayed and self._delayed.future else []):
+        for b in self.buckets + self._delayed:
             if b.future is not None:
                 result = b.future.wait()
                 result = result[0] if isinstance(result, list) else result
@@ -504,7 +505,7 @@ class ManualDDP(nn.Module, Joinable):
     def _sync_buffers(self, joined=False):
         """Rank 0's buffers (BatchNorm statistics...) to every rank, as DDP does before each forward."""
         src = 0
-        if self._join_config.enable:  # rank 0 may have joined and hold stale buffers: take a rank still training
+        if self._joining:  # rank 0 may have joined and hold stale buffers: take a rank still training
             src = self._common_rank(not joined)
         self._broadcast(self.buffers_to_sync, src)
 
@@ -517,9 +518,9 @@ class ManualDDP(nn.Module, Joinable):
         if not self.require_backward_grad_sync:
             return grad
         self._queue_finish()
-        self._delayed.flat.mul_(1 / self._divisor)
-        work = dist.all_reduce(self._delayed.flat, group=self.process_group, async_op=True)
-        self._delayed.future = work.get_future()
+        bucket = self._delayed[0]
+        bucket.flat.mul_(1 / self._divisor)
+        bucket.future = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True).get_future()
         return grad
 
     def register_comm_hook(self, state, hook):
@@ -564,7 +565,7 @@ class _JoinHook(JoinHook):
 
     def __init__(self, ddp, divide_by_initial_world_size):
         self.ddp = ddp
-        ddp._divide_by_initial = divide_by_initial_world_size
+        ddp._divide_by_initial, ddp._joining = divide_by_initial_world_size, True  # from here on, as in DDP
 
     def main_hook(self):
         ddp = self.ddp
