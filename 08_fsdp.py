@@ -23,6 +23,7 @@ import gc
 import glob
 import importlib.util
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -164,7 +165,7 @@ class Unit:
 
     def __init__(self, module, params, group, param_dtype, reduce_dtype, reshard_after_forward):
         self.module, self.group, self.world, self.rank = module, group, group.size(), group.rank()
-        self.dtype, self.device, self.root = params[0].dtype, params[0].device, None
+        self.dtype, self.device, self.root, self.name = params[0].dtype, params[0].device, None, type(module).__name__
         self.param_dtype = param_dtype or self.dtype  # of the gathered parameters: all-gather and compute
         self.reduce_dtype = reduce_dtype or self.param_dtype  # of the gradients while reduce-scattered
         self.reshard_after_forward = reshard_after_forward  # None: all but the root (known at its 1st forward)
@@ -180,11 +181,8 @@ class Unit:
         self.shards = [nn.Parameter(c[:len(m)].view(-1, *p.shape[1:]), p.requires_grad)
                        for c, m, p in zip(self.flat.split(self.sizes), mine, params)]
         self.full = [nn.Parameter(torch.empty_like(p, dtype=self.param_dtype), p.requires_grad) for p in params]
-        self.owners = [[(m, k) for m in module.modules() for k, q in m.named_parameters(recurse=False,
-                                                                                       remove_duplicate=False)
-                        if q is p] for p in params]
-        for p in params:
-            p.sharded_by = self
+        self.owners = [[(m, k) for m in module.modules() for k, q in m.named_parameters(
+            recurse=False, remove_duplicate=False) if q is p] for p in params]  # a tied parameter: all its places
         self.reshard()
 
     def reshard(self):
@@ -237,9 +235,9 @@ class Unit:
     def post_forward(self, module, args, output):
         if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward to come: free even the root
             self.reshard()
-        for t in _tensors(output):
-            if t.requires_grad:
-                t.register_hook(self.pre_backward)
+        for t in _tensors(output):  # a node hook runs after tensor hooks: the next unit's post_backward first
+            if t.grad_fn is not None:
+                t.grad_fn.register_prehook(self.pre_backward)
         return output
 
     def pre_backward(self, grad):
@@ -300,12 +298,9 @@ class Unit:
         unit, work, rows, out, idx = self.pending.pop(0)
         work.wait()
         out, off = out.to(unit.dtype), 0  # the mean of this rank's chunks, in the shards' dtype
-        for i in idx:
-            s = unit.shards[i]
-            if s.grad is None:
-                s.grad = out[off:off + s.numel()].view_as(s)
-            else:
-                s.grad += out[off:off + s.numel()].view_as(s)
+        for i in idx:  # each shard's .grad is a view of out; accumulated into when there is one already
+            s, g = unit.shards[i], out[off:off + unit.shards[i].numel()].view_as(unit.shards[i])
+            s.grad = g if s.grad is None else s.grad.add_(g)
             off += unit.sizes[i]
 
     def finish_backward(self):
@@ -336,12 +331,13 @@ def fully_shard(module, *, process_group=None, param_dtype=None, reduce_dtype=No
     params = list(dict.fromkeys(_unsharded_params(module)))  # a tied parameter once
     for p in params:
         if hasattr(p, "sharded_by"):
-            raise ValueError(f"a parameter of {type(module).__name__} is shared with unit {p.sharded_by.name}: "
-                             "shard the modules that share it as one unit")
+            raise ValueError(f"a parameter of {type(module).__name__} is shared with {p.sharded_by}, sharded "
+                             "before: shard the modules that share it as one unit")
         if p.dim() == 0 or p.dtype != params[0].dtype:
             raise ValueError("fully_shard needs parameters of one dtype, each with a dim 0 to shard")
+        p.sharded_by = type(module).__name__
     unit = Unit(module, params, process_group or dist.group.WORLD, param_dtype, reduce_dtype, reshard_after_forward)
-    module.fsdp_unit, unit.name = unit, type(module).__name__
+    module.fsdp_unit = unit
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
     module.set_requires_gradient_sync = functools.partial(set_requires_gradient_sync, module)
@@ -394,9 +390,11 @@ def clip_grad_norm_(parameters, max_norm, group=None):
 def gpt2(args, device):
     import transformers
     transformers.logging.set_verbosity_error()  # its notes on the config we set on purpose
+    transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(args.seed)  # the same seed on every rank: identical weights before they are sharded
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=args.n_embd, n_head=args.n_head,
-                                      n_layer=args.n_layer, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).to(device)
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=args.n_embd, n_head=args.n_head,
+                                  n_layer=args.n_layer, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    return transformers.GPT2LMHeadModel(cfg).to(device)
 
 
 def build(impl, args, device, zero):
@@ -460,7 +458,7 @@ def train(impl, args, device, text, zero, ckpt=None):
     gc.collect()  # the models trained before are gone before this one's peak is measured
     peak_mib(device, reset=True)
     model, net, opt = build(impl, args, device, zero)
-    fsdp, start, norms, t0 = impl in ("ours", "fully_shard"), 0, [], time.perf_counter()
+    fsdp, start, norms, seconds = impl in ("ours", "fully_shard"), 0, [], []
     if ckpt:
         load_full_state_dict(model, ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"][RANK])
@@ -468,8 +466,7 @@ def train(impl, args, device, text, zero, ckpt=None):
     with contextlib.ExitStack() as stack:
         prof = stack.enter_context(torch.profiler.profile()) if args.profile and impl == "ours" else None
         for step in range(start, args.max_steps):
-            if step == start + 1:  # the first step warms up
-                t0 = time.perf_counter()
+            t0 = time.perf_counter()
             for micro in range(args.grad_accum):
                 last = micro == args.grad_accum - 1
                 if fsdp:  # gradient accumulation: the last micro-batch reduces the sum of all
@@ -484,6 +481,7 @@ def train(impl, args, device, text, zero, ckpt=None):
             opt.step()
             held = held_mib(list(model.parameters()), getattr(opt, "optimizer", opt))
             opt.zero_grad()
+            seconds.append(time.perf_counter() - t0)
             if impl == "ours" and ((step + 1) % args.log_every == 0 or step + 1 == args.max_steps):
                 print0(f"step {step + 1:4d}/{args.max_steps} | loss {loss.item():.4f} (rank 0's last micro-batch)")
             if impl == "ours" and args.out and (step + 1) % args.ckpt_every == 0:
@@ -493,10 +491,12 @@ def train(impl, args, device, text, zero, ckpt=None):
                     save_atomic(state, os.path.join(args.out, "checkpoint.pt"))
     if prof:
         prof.export_chrome_trace(os.path.join(args.profile, f"trace_rank{RANK}.json"))
-    ms = (time.perf_counter() - t0) * 1e3 / max(1, args.max_steps - start - 1)
     full = full_state_dict(model) if impl == "ours" else model.state_dict()
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in full.items()}
-    return full, dict(held=held, peak=peak_mib(device), ms=ms, norms=norms, unit=getattr(model, "fsdp_unit", None))
+    sent = model.fsdp_unit.sent / len(seconds) if impl == "ours" else 0  # per step
+    ms = statistics.median(seconds[1:] or seconds) * 1e3  # the first step warms up
+    return full, dict(held=held, peak=peak_mib(device), ms=ms, norms=norms, sent=sent,
+                      events=model.fsdp_unit.events if impl == "ours" else [])
 
 
 def main(args):
@@ -507,10 +507,14 @@ def main(args):
            f"torch={torch.__version__}")
     files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:40]
     text = torch.frombuffer(bytearray(b"".join(open(f, "rb").read() for f in files)), dtype=torch.uint8).long()
+    for folder in (args.out, args.profile):
+        if folder:
+            os.makedirs(folder, exist_ok=True)
     path = os.path.join(args.out, "checkpoint.pt") if args.out else ""
     ckpt = torch.load(path, map_location=device) if os.path.exists(path) else None  # every rank reads it
-    if ckpt and len(ckpt["optimizer"]) != WORLD:
-        raise UsageError(f"{path} holds the optimizer shards of {len(ckpt['optimizer'])} ranks: resume with as many")
+    if ckpt and (len(ckpt["optimizer"]) != WORLD or ckpt["step"] >= args.max_steps):
+        raise UsageError(f"{path}: step {ckpt['step']} of {len(ckpt['optimizer'])} ranks; resume with as many "
+                         "ranks and a larger --max-steps")
     zero, here = None, os.path.join(os.path.dirname(os.path.abspath(__file__)), "07_zero.py")
     if os.path.exists(here):  # the lesson imports its predecessor only to compare with it
         spec = importlib.util.spec_from_file_location("zero", here)
@@ -523,23 +527,28 @@ def main(args):
         if impl != "ZeRO-2" or zero:
             runs[impl] = train(impl, args, device, text, zero)
     (ours, o), (theirs, t), (ddp, d) = runs["ours"], runs["fully_shard"], runs["DDP"]
-    print0("launches against compute in the last step (rank 0): " + " > ".join(o["unit"].events))
-    # Bytes each rank sends per step: ours counted as sent (fully_shard sends the same collectives, see the
-    # tests); DDP's one ring all-reduce of all gradients, and ZeRO-2's reduce-scatter + all-gather, 2(N-1)/N.
-    sent = {"ours": o["unit"].sent / (args.max_steps - (ckpt["step"] if ckpt else 0))}
-    sent["fully_shard"], sent["DDP"] = sent["ours"], 2 * (WORLD - 1) / WORLD * sum(v.nbytes for v in ddp.values())
-    sent["ZeRO-2"] = sent["DDP"]
+    forward = max(i for i, e in enumerate(o["events"]) if e.startswith("forward")) + 1
+    print0("launches against compute in the last step (rank 0):\n  forward:  " + " > ".join(o["events"][:forward])
+           + "\n  backward: " + " > ".join(o["events"][forward:]))
+    # Sent per step: ours counted (fully_shard issues the same collectives on the same buffers: see the tests).
+    # DDP: one ring all-reduce of the gradients; ZeRO-2 a reduce-scatter and an all-gather: both 2(N-1)/N of them.
+    o_sent, d_sent = o["sent"], 2 * (WORLD - 1) / WORLD * sum(v.nbytes for v in ddp.values())
+    rows = []
     for impl in ["DDP", "ZeRO-2", "ours", "fully_shard"]:
         if impl not in runs:
-            log(f"{impl:11s} | n/a (07_zero.py not beside this file)")
+            rows.append(f"| {RANK} | {impl} | n/a (07_zero.py not beside this file) |||||||")
             continue
         (p, g, opt), s = runs[impl][1]["held"], runs[impl][1]
-        log(f"{impl:11s} | holds {p:6.2f} MiB params, {g:6.2f} grads, {opt:6.2f} optimizer | peak {s['peak']:6.0f} "
-            f"MiB | sends {sent[impl] / 2**20:6.2f} MiB/step ({sent[impl] / max(1, sent['DDP']):.2f}x DDP) "
-            f"| {s['ms']:6.1f} ms/step")
+        sent = o_sent if impl in ("ours", "fully_shard") else d_sent
+        rows.append(f"| {RANK} | {impl} | {p:.3f} | {g:.3f} | {opt:.3f} | {s['peak']:,.0f} | {sent / 2**20:.3f} | "
+                    f"{sent / max(d_sent, 1):.2f} | {s['ms']:.1f} |")
+    table = [None] * WORLD
+    dist.all_gather_object(table, rows)
+    print0("| rank | | params MiB | grads MiB | optimizer MiB | peak MiB | sent MiB/step | x DDP | ms/step |\n"
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|\n" + "\n".join(r for rank_rows in table for r in rank_rows))
     if args.clip > 0:
-        print0(f"clip, 1st step: global norm over shards {o['norms'][0]:.7f} | fully_shard's {t['norms'][0]:.7f} "
-               f"| clip_grad_norm_ on DDP's full gradients {d['norms'][0]:.7f}")
+        print0(f"clip, last step: global norm over shards {o['norms'][-1]:.7f} | fully_shard's {t['norms'][-1]:.7f} "
+               f"| clip_grad_norm_ over DDP's full gradients {d['norms'][-1]:.7f}")
     # The checks: ours == fully_shard bit for bit, == DDP within float tolerance (fp32), ranks identical.
     differ = [k for k in ours if not torch.equal(ours[k].view(torch.uint8), theirs[k].view(torch.uint8))]
     gap = max((ours[k].float() - ddp[k].float()).abs().max().item() for k in ours)
