@@ -165,7 +165,9 @@ class Unit:
 
     def __init__(self, module, params, group, param_dtype, reduce_dtype, reshard_after_forward):
         self.module, self.group, self.world, self.rank = module, group, group.size(), group.rank()
-        self.dtype, self.device, self.root, self.name = params[0].dtype, params[0].device, None, type(module).__name__
+        self.gloo = dist.get_backend(group) == "gloo"  # see post_backward
+        self.dtype, self.device = (params[0].dtype, params[0].device) if params else (None, None)  # None: a root
+        self.root, self.name = None, type(module).__name__  # with no parameters of its own still runs the step
         self.param_dtype = param_dtype or self.dtype  # of the gathered parameters: all-gather and compute
         self.reduce_dtype = reduce_dtype or self.param_dtype  # of the gradients while reduce-scattered
         self.reshard_after_forward = reshard_after_forward  # None: all but the root (known at its 1st forward)
@@ -195,7 +197,7 @@ class Unit:
 
     def unshard(self, wait=True):
         """Launch the all-gather of this unit's parameters (async) unless under way; with wait, install them."""
-        if self.state == "sharded" and self.gather is None:
+        if self.state == "sharded" and self.gather is None and self.full:
             buf = torch.empty(self.world * len(self.flat), dtype=self.param_dtype, device=self.device)
             work = dist.all_gather_single(buf, self.flat.to(self.param_dtype), group=self.group, async_op=True)
             self.gather = buf, work
@@ -263,21 +265,28 @@ class Unit:
         if not self.sync:  # gradient accumulation: nothing is sent
             return
         grads = [(i, f.grad if a is None else a) for i, (f, a) in enumerate(zip(self.full, self.acc))]
-        idx = [i for i, g in grads if g is not None]
+        grads = [(i, g) for i, g in grads if g is not None]
         for f in self.full:
-            f.grad = None  # the full gradients go once packed below: the packed copy is all that is left
-        if idx:
-            rows = torch.zeros(self.world, sum(self.sizes[i] for i in idx), dtype=self.reduce_dtype, device=self.device)
-            _copy_chunks(rows, [grads[i][1] for i in idx], [self.sizes[i] for i in idx], into_rows=True)
-            out = torch.empty(rows.shape[1], dtype=self.reduce_dtype, device=self.device)
-            # AVG: the mean, divided by the backend (NCCL, gloo) as fully_shard does for fp32 and bf16.
-            work = dist.reduce_scatter_single(out, rows.view(-1), op=dist.ReduceOp.AVG, group=self.group,
-                                              async_op=True)
-            self.root.note("reduce-scatter", self, rows)
-            self.root.pending.append((self, work, rows, out, idx))
+            f.grad = None
         self.acc = [None] * len(self.full)
-        while len(self.root.pending) > 2:  # two in flight at most: each buffer is as big as its unit
+        while self.root.pending:  # the previous unit's reduce-scatter, done by now: one buffer in flight at most
             self.root.finish_reduce()
+        if grads:
+            idx, sizes = [i for i, _ in grads], [self.sizes[i] for i, _ in grads]
+            rows = torch.zeros(self.world, sum(sizes), dtype=self.reduce_dtype, device=self.device)
+            _copy_chunks(rows, [g for _, g in grads], sizes, into_rows=True)
+            grads = None  # the full gradients are freed: their packed copy is all that is left
+            # The mean, as fully_shard asks for it (AVG). NCCL reduce-scatters and divides in one go. gloo has no
+            # reduce-scatter: its reduce_scatter_single all-reduces a copy of the whole buffer, keeps this rank's
+            # row and divides it. The same all-reduce in place gives the same bits without the copy.
+            if self.gloo:
+                out, work = None, dist.all_reduce(rows, group=self.group, async_op=True)
+            else:
+                out = torch.empty(rows.shape[1], dtype=self.reduce_dtype, device=self.device)
+                work = dist.reduce_scatter_single(out, rows.view(-1), op=dist.ReduceOp.AVG, group=self.group,
+                                                  async_op=True)
+            self.root.note("reduce-scatter", self, rows)  # counted as what a ring reduce-scatter sends
+            self.root.pending.append((self, work, rows, out, idx))
 
     # The root's share: what one training step needs across its units.
     def init_root(self):
@@ -297,6 +306,8 @@ class Unit:
     def finish_reduce(self):
         unit, work, rows, out, idx = self.pending.pop(0)
         work.wait()
+        if out is None:  # gloo
+            out = rows[unit.rank] / unit.world
         out, off = out.to(unit.dtype), 0  # the mean of this rank's chunks, in the shards' dtype
         for i in idx:  # each shard's .grad is a view of out; accumulated into when there is one already
             s, g = unit.shards[i], out[off:off + unit.shards[i].numel()].view_as(unit.shards[i])
@@ -355,6 +366,8 @@ def full_state_dict(module):
     fulls = {}
     for unit in _units(module):
         unit.reshard()
+        if not unit.full:
+            continue
         buf = torch.empty(unit.world * len(unit.flat), dtype=unit.dtype, device=unit.device)
         dist.all_gather_single(buf, unit.flat, group=unit.group)
         fulls.update((s, torch.empty_like(f, dtype=unit.dtype)) for s, f in zip(unit.shards, unit.full))
