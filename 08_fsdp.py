@@ -18,7 +18,6 @@ beside this file) and PyTorch's fully_shard: held and sent bytes, peak memory, s
 import argparse
 import contextlib
 import ctypes
-import functools
 import gc
 import glob
 import importlib.util
@@ -28,6 +27,7 @@ import sys
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -143,9 +143,8 @@ def _tensors(x):
 
 
 def _copy_chunks(rows, tensors, sizes, into_rows):
-    """rows[r]: rank r's chunk of each tensor, zero-padded to its size, one after the other (PyTorch's layout;
-    the r-th piece of `size` elements of a flat tensor is torch.chunk's r-th block of rows). into_rows packs
-    the tensors into rows (a reduce-scatter's input), else fills them from rows (an all-gather's output)."""
+    """rows[r] = rank r's chunk of each tensor (the r-th `size` elements: torch.chunk's r-th block of rows), each
+    zero-padded to its size, one after the other: PyTorch's layout. into_rows packs, else unpacks."""
     off = 0
     for t, size in zip(tensors, sizes):
         for row, piece in zip(rows[:, off:off + size], t.view(-1).split(size)):
@@ -200,17 +199,18 @@ class Unit:
         if self.state == "sharded" and self.gather is None and self.full:
             buf = torch.empty(self.world * len(self.flat), dtype=self.param_dtype, device=self.device)
             work = dist.all_gather_single(buf, self.flat.to(self.param_dtype), group=self.group, async_op=True)
-            self.gather = buf, work
+            self.gather = buf, work  # the output to be, and the handle to wait on
             self.root.note("all-gather", self, buf)
         if wait and self.gather is not None:
-            self.gather[1].wait()
+            buf, work = self.gather
+            work.wait()
             for f, owners in zip(self.full, self.owners):
                 f.untyped_storage().resize_(f.numel() * f.element_size())
                 for m, k in owners:
                     setattr(m, k, f)
             # Through .data: forward saved these tensors for backward, and refilling them must not bump the
             # version counter autograd checks there (PyTorch's FSDP uses a private guard for the same).
-            _copy_chunks(self.gather[0].view(self.world, -1), [f.data for f in self.full], self.sizes, False)
+            _copy_chunks(buf.view(self.world, -1), [f.data for f in self.full], self.sizes, into_rows=False)
             self.state, self.gather = "full", None
 
     # The hooks, in the order they run in a training step.
@@ -288,12 +288,18 @@ class Unit:
             self.root.note("reduce-scatter", self, rows)  # counted as what a ring reduce-scatter sends
             self.root.pending.append((self, work, rows, out, idx))
 
+    def set_requires_gradient_sync(self, requires_gradient_sync):
+        """Off: backward sends nothing and each rank keeps summing full gradients (gradient accumulation)."""
+        for unit in _units(self.module):
+            unit.sync = requires_gradient_sync
+
     # The root's share: what one training step needs across its units.
     def init_root(self):
+        units = _units(self.module)  # prefetched in this order (GPT-2 runs its blocks in it), backward reversed
         names = [name or "root" for name, m in self.module.named_modules() if hasattr(m, "fsdp_unit")]
-        units = _units(self.module)  # prefetched in module order: GPT-2 runs its blocks in it
         for i, (name, u) in enumerate(zip(names, units)):
-            u.root, u.name, u.next, u.prev = self, name, (units[i + 1:] + [None])[0], units[i - 1]
+            u.root, u.name, u.prev = self, name, units[i - 1]
+            u.next = units[i + 1] if i + 1 < len(units) else None
             if u.reshard_after_forward is None:
                 u.reshard_after_forward = u is not self
         self.events, self.pending, self.queued, self.sent = [], [], False, 0
@@ -351,14 +357,8 @@ def fully_shard(module, *, process_group=None, param_dtype=None, reduce_dtype=No
     module.fsdp_unit = unit
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
-    module.set_requires_gradient_sync = functools.partial(set_requires_gradient_sync, module)
+    module.set_requires_gradient_sync = unit.set_requires_gradient_sync  # called as on PyTorch's
     return module
-
-
-def set_requires_gradient_sync(module, requires_gradient_sync):
-    """Off: backward sends nothing and every rank keeps summing full gradients (gradient accumulation)."""
-    for unit in _units(module):
-        unit.sync = requires_gradient_sync
 
 
 def full_state_dict(module):
@@ -446,13 +446,20 @@ def held_mib(params, optimizer):
     return mib(params), mib(p.grad for p in params), mib(state)
 
 
-def peak_mib(device, reset=False):
-    """Peak memory since the last reset: CUDA's allocator statistics, or on CPU the peak resident set (Linux)."""
+def reset_peak(device):
     if device.type == "cuda":
-        return torch.cuda.reset_peak_memory_stats(device) if reset else torch.cuda.max_memory_allocated(device) / 2**20
-    if reset:
-        with open("/proc/self/clear_refs", "w") as f:  # "5": the kernel's high-water mark starts again here
-            return f.write("5")
+        torch.cuda.reset_peak_memory_stats(device)
+    elif os.path.exists("/proc/self/clear_refs"):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: the resident set's high-water mark starts again from here
+
+
+def peak_mib(device):
+    """Peak memory since reset_peak(): CUDA's allocator statistics, or on CPU the peak resident set (Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    if not os.path.exists("/proc/self/status"):
+        return float("nan")
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
 
@@ -469,7 +476,7 @@ def save_atomic(obj, path):
 def train(impl, args, device, text, zero, ckpt=None):
     """A fresh GPT-2 trained by impl to --max-steps (ours from ckpt): its full weights and what it took."""
     gc.collect()  # the models trained before are gone before this one's peak is measured
-    peak_mib(device, reset=True)
+    reset_peak(device)
     model, net, opt = build(impl, args, device, zero)
     fsdp, start, norms, seconds = impl in ("ours", "fully_shard"), 0, [], []
     if ckpt:
@@ -492,7 +499,7 @@ def train(impl, args, device, text, zero, ckpt=None):
                 norm = (clip_grad_norm_ if impl == "ours" else nn.utils.clip_grad_norm_)(model.parameters(), args.clip)
                 norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
             opt.step()
-            held = held_mib(list(model.parameters()), getattr(opt, "optimizer", opt))
+            held = held_mib(list(model.parameters()), getattr(opt, "optimizer", opt))  # ZeRO-2's: its .optimizer
             opt.zero_grad()
             seconds.append(time.perf_counter() - t0)
             if impl == "ours" and ((step + 1) % args.log_every == 0 or step + 1 == args.max_steps):
@@ -514,12 +521,12 @@ def train(impl, args, device, text, zero, ckpt=None):
 
 def main(args):
     device = setup(args, min_world=1)
-    if device.type == "cpu":  # glibc: each tensor over 128 KiB its own mmap, so that freeing it shrinks the RSS
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # -3: M_MMAP_THRESHOLD
+    if device.type == "cpu" and sys.platform == "linux":  # glibc: a tensor over 128 KiB gets its own mmap, so
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # freeing it shrinks the resident set (-3: M_MMAP_THRESHOLD)
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device} param_dtype={args.param_dtype} "
            f"torch={torch.__version__}")
     files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:40]
-    text = torch.frombuffer(bytearray(b"".join(open(f, "rb").read() for f in files)), dtype=torch.uint8).long()
+    text = torch.frombuffer(bytearray(b"".join(Path(f).read_bytes() for f in files)), dtype=torch.uint8).long()
     for folder in (args.out, args.profile):
         if folder:
             os.makedirs(folder, exist_ok=True)
@@ -581,8 +588,8 @@ def main(args):
         raise RuntimeError(f"ours is {gap:.1e} away from DDP")
     if sum(o["held"]) > sum(d["held"]) / WORLD * 1.05 + 0.01:
         raise RuntimeError(f"ours holds {sum(o['held']):.2f} MiB, not 1/{WORLD} of DDP's {sum(d['held']):.2f}")
-    print0(f"OK ours == fully_shard bit for bit after {args.max_steps} AdamW steps ({args.param_dtype}, {WORLD} "
-           f"ranks), ranks identical, DDP within {gap:.1e}; each rank holds 1/{WORLD} of DDP's bytes")
+    print0(f"OK ours == fully_shard bit for bit after {args.max_steps} AdamW steps ({args.param_dtype}, world size "
+           f"{WORLD}), ranks identical, DDP within {gap:.1e}; each rank holds 1/{WORLD} of DDP's bytes")
 
 
 def parse_args():
