@@ -88,15 +88,27 @@ def theirs_full(model):
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
-class Counter:
-    """Counts the reduce-scatters we issue (our module calls dist.reduce_scatter_single)."""
+class Counted:
+    """Counts the collectives our backward issues: the reduce-scatter (on gloo an in-place all-reduce) and the
+    all-gathers, by wrapping torch.distributed's functions, which 08 looks up at each call."""
 
-    def __init__(self):
-        self.calls, self.real = 0, dist.reduce_scatter_single
+    names = ("reduce_scatter_single", "all_reduce", "all_gather_single")
 
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.real(*args, **kwargs)
+    def __enter__(self):
+        self.calls, self.real = [], {n: getattr(dist, n) for n in self.names}
+        for name, fn in self.real.items():
+            setattr(dist, name, self.wrap(name, fn))
+        return self
+
+    def wrap(self, name, fn):
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            return fn(*args, **kwargs)
+        return counted
+
+    def __exit__(self, *exc):
+        for name, fn in self.real.items():
+            setattr(dist, name, fn)
 
 
 def check_shards():
@@ -122,31 +134,28 @@ def check_training(steps=3, accum=1, clip=None, **mp):
     torch.manual_seed(1)
     ours, theirs = shard_both(Toy(), **mp)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
-    counter, real = Counter(), dist.reduce_scatter_single
-    dist.reduce_scatter_single = counter
-    try:
-        for step in range(steps):
-            for micro in range(accum):
-                last = micro == accum - 1
-                before = counter.calls
-                for m in (ours, theirs):
-                    m.set_requires_gradient_sync(last)
-                    (loss_of(m, data(step, RANK, micro)) / accum).backward()
-                if not last:  # gradient accumulation: nothing sent until the last micro-batch
-                    assert counter.calls == before, "a reduce-scatter with sync off"
-                    assert all(p.grad is None for p in ours.parameters())
-            assert counter.calls > before, "no reduce-scatter on the synced micro-batch"
-            for p, q in zip(ours.parameters(), theirs.parameters()):
-                assert (p.grad is None) == (q.grad is None) and (p.grad is None or bits(p.grad, q.grad.to_local()))
-            if clip:
-                a = fsdp.clip_grad_norm_(ours.parameters(), clip)
-                b = nn.utils.clip_grad_norm_(theirs.parameters(), clip).full_tensor()
-                assert bits(a, b), (a, b)
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
-    finally:
-        dist.reduce_scatter_single = real
+    for step in range(steps):
+        for micro in range(accum):
+            last = micro == accum - 1
+            for m in (ours, theirs):
+                m.set_requires_gradient_sync(last)
+            with Counted() as counted:
+                (loss_of(ours, data(step, RANK, micro)) / accum).backward()
+            (loss_of(theirs, data(step, RANK, micro)) / accum).backward()
+            reduced = [c for c in counted.calls if c != "all_gather_single"]
+            if last:  # one reduce per unit (the root's and each block's), nothing before the last micro-batch
+                assert len(reduced) == len(fsdp._units(ours)), counted.calls
+            else:
+                assert not reduced and all(p.grad is None for p in ours.parameters()), counted.calls
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            assert (p.grad is None) == (q.grad is None) and (p.grad is None or bits(p.grad, q.grad.to_local()))
+        if clip:
+            a = fsdp.clip_grad_norm_(ours.parameters(), clip)
+            b = nn.utils.clip_grad_norm_(theirs.parameters(), clip).full_tensor()
+            assert bits(a, b), (a, b)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
     a, b = fsdp.full_state_dict(ours), theirs_full(theirs)
     assert a.keys() == b.keys() == Toy().state_dict().keys()
     differ = [k for k in a if not bits(a[k], b[k])]
