@@ -18,12 +18,6 @@ def test_equals_fully_shard(nproc):
     assert res.ok_line() and f"on {nproc} ranks" in res.ok_line(), res.output
 
 
-def test_bad_flags_are_one_line():
-    res = launch.python(SCRIPT, ["--n-embd", "30", "--n-head", "4"], timeout=60)
-    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
-    assert res.returncode == 2 and len(errors) == 1 and "--n-head" in errors[0], res.output
-
-
 @pytest.mark.slow
 def test_script_resumes_equal_to_fully_shard_and_saves_a_plain_model(tmp_path):
     """Two launches of a copy of the script with no 07_zero.py beside it, a GPT-2 in bf16 compute with gradient
