@@ -569,27 +569,23 @@ def main(args):
     if args.clip > 0:
         print0(f"clip, last step: global norm over shards {o['norms'][-1]:.7f} | fully_shard's {t['norms'][-1]:.7f} "
                f"| clip_grad_norm_ over DDP's full gradients {d['norms'][-1]:.7f}")
-    # The checks: ours == fully_shard bit for bit, == DDP within float tolerance (fp32), ranks identical.
+    # The checks: ours == fully_shard bit for bit, == DDP within float tolerance (fp32). Every rank holds the same
+    # weights by construction: each element lives on one rank only, and every rank gathers it from there.
     differ = [k for k in ours if not torch.equal(ours[k].view(torch.uint8), theirs[k].view(torch.uint8))]
     gap = max((ours[k].float() - ddp[k].float()).abs().max().item() for k in ours)
-    flat = torch.cat([v.float().flatten() for v in ours.values()])
-    first = flat.clone()
-    dist.broadcast(first, src=0)
-    same = torch.tensor([float(torch.equal(first, flat))], device=device)
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
     if args.out and RANK == 0:  # a plain state dict: an unsharded GPT-2 loads it, and from_pretrained that
         plain = gpt2(args, "cpu")
         plain.load_state_dict({k: v.cpu() for k, v in ours.items()})
         plain.save_pretrained(args.out)
         print0(f"saved the trained model to {args.out} (transformers' from_pretrained loads it)")
-    if differ or not same.item():
-        raise RuntimeError(f"ours != fully_shard in {differ[:3]}, or the ranks differ")
+    if differ:
+        raise RuntimeError(f"ours != fully_shard in {differ[:3]}")
     if args.param_dtype == "fp32" and gap > 1e-4:
         raise RuntimeError(f"ours is {gap:.1e} away from DDP")
     if sum(o["held"]) > sum(d["held"]) / WORLD * 1.05 + 0.01:
         raise RuntimeError(f"ours holds {sum(o['held']):.2f} MiB, not 1/{WORLD} of DDP's {sum(d['held']):.2f}")
     print0(f"OK ours == fully_shard bit for bit after {args.max_steps} AdamW steps ({args.param_dtype}, world size "
-           f"{WORLD}), ranks identical, DDP within {gap:.1e}; each rank holds 1/{WORLD} of DDP's bytes")
+           f"{WORLD}), DDP within {gap:.1e}; each rank holds 1/{WORLD} of DDP's bytes")
 
 
 def parse_args():
