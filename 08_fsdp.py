@@ -506,7 +506,7 @@ def train(impl, args, device, text, zero, ckpt=None):
                 print0(f"step {step + 1:4d}/{args.max_steps} | loss {loss.item():.4f} (rank 0's last micro-batch)")
             if impl == "ours" and args.out and (step + 1) % args.ckpt_every == 0:
                 state = {"model": full_state_dict(model), "optimizer": [None] * WORLD, "step": step + 1}
-                dist.all_gather_object(state["optimizer"], opt.state_dict())  # every rank's shard of it
+                dist.gather_object(opt.state_dict(), state["optimizer"] if RANK == 0 else None)  # all the shards
                 if RANK == 0:
                     save_atomic(state, os.path.join(args.out, "checkpoint.pt"))
     if prof:
@@ -531,7 +531,8 @@ def main(args):
         if folder:
             os.makedirs(folder, exist_ok=True)
     path = os.path.join(args.out, "checkpoint.pt") if args.out else ""
-    ckpt = torch.load(path, map_location=device) if os.path.exists(path) else None  # every rank reads it
+    # Every rank reads it, mapped: only the pages of its own chunks and optimizer shard are read in.
+    ckpt = torch.load(path, map_location="cpu", mmap=True) if os.path.exists(path) else None
     if ckpt and (len(ckpt["optimizer"]) != WORLD or ckpt["step"] >= args.max_steps):
         raise UsageError(f"{path}: step {ckpt['step']} of {len(ckpt['optimizer'])} ranks; resume with as many "
                          "ranks and a larger --max-steps")
