@@ -553,7 +553,8 @@ def main(args):
            + "\n  backward: " + " > ".join(o["events"][forward:]))
     # Sent per step: ours counted (fully_shard issues the same collectives on the same buffers: see the tests).
     # DDP: one ring all-reduce of the gradients; ZeRO-2 a reduce-scatter and an all-gather: both 2(N-1)/N of them.
-    o_sent, d_sent = o["sent"], 2 * (WORLD - 1) / WORLD * sum(v.nbytes for v in ddp.values())
+    params = {v.data_ptr(): v.nbytes for v in ddp.values()}  # the tied embedding once, as DDP reduces it
+    o_sent, d_sent = o["sent"], 2 * (WORLD - 1) / WORLD * sum(params.values())
     rows = []
     for impl in ["DDP", "ZeRO-2", "ours", "fully_shard"]:
         if impl not in runs:
