@@ -1,0 +1,625 @@
+"""08 - Fully sharded data parallel (FSDP, ZeRO-3) by hand, bit for bit equal to PyTorch's fully_shard.
+
+What it teaches: after ZeRO-2 (07) every rank still holds all parameters; FSDP shards them too. fully_shard()
+keeps chunk r of every parameter (torch.chunk on dim 0) on rank r AS the parameter; around each unit (each GPT-2
+block, then the root) one all-gather rebuilds the unit's weights just before they compute and frees them after,
+and once its backward is done one reduce-scatter leaves each rank the mean gradient of its chunk: 03's two ring
+halves are the whole algorithm. The next unit's all-gather starts before the current one computes. A Hugging
+Face GPT-2 (random weights, Python's sources as text: offline) trains with it, then with DDP, ZeRO-2 (07, when
+beside this file) and PyTorch's fully_shard: held and sent bytes, peak memory, speed, and ours == fully_shard.
+
+  1 process:  python 08_fsdp.py
+  CPU:        torchrun --nproc_per_node=2 08_fsdp.py              (or 3: uneven chunks, padded)
+  N GPUs:     torchrun --nproc_per_node=N 08_fsdp.py --param-dtype bf16 --n-layer 12 --n-embd 768 --n-head 12
+  2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 08_fsdp.py
+  options:    --grad-accum 4 --clip 1.0 --no-reshard-after-forward --out ckpt (resumes from it) --profile traces
+"""
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import glob
+import importlib.util
+import os
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+# --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
+RANK, WORLD = 0, 1
+
+
+class UsageError(Exception):
+    """Bad input: one line on rank 0 (`error: ...`), exit status 2, no traceback."""
+
+
+def print0(*msg):
+    """The rank-0 narrative: printed once, not N times."""
+    if RANK == 0:
+        print(*msg, flush=True)
+
+
+def log(*msg):
+    """A per-rank line, tagged so interleaved output stays readable."""
+    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)
+
+
+def parser(doc, timeout_s=120):
+    """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def error(message):
+        raise UsageError(message)
+    p.error = error
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
+    p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
+    return p
+
+
+def choose_device(device, backend, n_gpus, local_rank, local_world):
+    """(device, backend, note) for this rank, from the flags and this node's GPUs, before any process group.
+    NCCL needs a GPU of its own for every rank; gloo runs on the CPU and can also share GPUs between ranks."""
+    if device == "cpu" or (device == "auto" and n_gpus == 0):
+        if backend == "nccl":
+            raise UsageError("--backend nccl runs on CUDA GPUs only: use gloo on the CPU")
+        return torch.device("cpu"), "gloo", None
+    if n_gpus == 0:
+        raise UsageError("--device cuda, but this node has no CUDA GPU: use --device cpu")
+    if n_gpus >= local_world:  # the usual GPU setup: local rank r takes cuda:r
+        return torch.device("cuda", local_rank), backend or "nccl", None
+    fix = f"start --nproc_per_node={n_gpus}, or share the GPU(s) over gloo with --device cuda --backend gloo"
+    if backend == "nccl":  # NCCL refuses two ranks on one GPU
+        raise UsageError(f"nccl needs one GPU per rank, but this node has {n_gpus} for {local_world} ranks: {fix}")
+    if device == "auto":
+        return torch.device("cpu"), "gloo", f"{n_gpus} GPU(s) for {local_world} ranks here, so CPU and gloo; {fix}"
+    return torch.device("cuda", local_rank % n_gpus), "gloo", f"{local_world} ranks share {n_gpus} GPU(s) over gloo"
+
+
+def setup(args, min_world=2):
+    """Choose the device, then join the process group. Global RANK names a process; LOCAL_RANK picks its GPU."""
+    global RANK, WORLD
+    if "RANK" not in os.environ and min_world > 1:
+        raise UsageError(f"launch with torchrun, e.g. torchrun --nproc_per_node={min_world} {sys.argv[0]}")
+    RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if WORLD < min_world:
+        raise UsageError(f"needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
+    if args.timeout_s <= 0:
+        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
+    device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if note:
+        print0(f"note: {note}")
+    if device.type == "cuda":  # before init, so NCCL binds this rank to its GPU (not device_id=: pytorch#153960)
+        torch.cuda.set_device(device)
+    # A timeout turns a dead peer into an error after --timeout-s instead of a silent 30-minute hang.
+    kw = dict(backend=backend, timeout=timedelta(seconds=args.timeout_s))
+    if "RANK" not in os.environ:  # plain `python`: a group of one, in memory, so the same code runs
+        kw.update(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(**kw)
+    return device
+
+
+def run(main, parse_args):
+    """Bad input: one line on rank 0, exit 2. A peer that died or timed out: one line per survivor, exit 1."""
+    code = 0
+    try:
+        main(parse_args())
+    except UsageError as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank stops alike; one says why
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except RuntimeError as e:  # NCCL raises DistError; gloo, RuntimeErrors from torch.distributed or its transport
+        where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
+        if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
+            raise  # a bug in this rank's own code keeps its traceback
+        log(f"error: lost a peer ({text.strip().splitlines()[0][:160]})")
+        os._exit(1)  # no teardown: it would wait for the dead peer
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)
+
+
+# --- the idea: fully sharded data parallel by hand ---
+def _tensors(x):
+    """The tensors in forward inputs or outputs: a tensor, or tuples, lists and dicts of them."""
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _tensors(v)]
+    return [x] if isinstance(x, torch.Tensor) else []
+
+
+def _copy_chunks(rows, tensors, sizes, into_rows):
+    """rows[r] = rank r's chunk of each tensor (the r-th `size` elements: torch.chunk's r-th block of rows), each
+    zero-padded to its size, one after the other: PyTorch's layout. into_rows packs, else unpacks."""
+    off = 0
+    for t, size in zip(tensors, sizes):
+        for row, piece in zip(rows[:, off:off + size], t.view(-1).split(size)):
+            if into_rows:
+                row[:len(piece)].copy_(piece)
+            else:
+                piece.copy_(row[:len(piece)])
+        off += size
+
+
+def _units(module):
+    return [m.fsdp_unit for m in module.modules() if hasattr(m, "fsdp_unit")]
+
+
+class Unit:
+    """What one fully_shard() call makes: its parameters sharded, gathered and reduced as one flat buffer each."""
+
+    def __init__(self, module, params, group, param_dtype, reduce_dtype, reshard_after_forward):
+        self.module, self.group, self.world, self.rank = module, group, group.size(), group.rank()
+        self.gloo = dist.get_backend(group) == "gloo"  # see post_backward
+        self.dtype, self.device = (params[0].dtype, params[0].device) if params else (None, None)  # None: a root
+        self.root, self.name = None, type(module).__name__  # with no parameters of its own still runs the step
+        self.param_dtype = param_dtype or self.dtype  # of the gathered parameters: all-gather and compute
+        self.reduce_dtype = reduce_dtype or self.param_dtype  # of the gradients while reduce-scattered
+        self.reshard_after_forward = reshard_after_forward  # None: all but the root (known at its 1st forward)
+        self.sync, self.state, self.gather, self.acc = True, "sharded", None, [None] * len(params)
+        # torch.chunk(p, N) gives each rank ceil(rows / N) rows, the last ranks fewer or none. Padded to that
+        # size, every rank's part of the flat buffers the collectives need is equally long.
+        self.sizes = [-(-len(p) // self.world) * p[0].numel() for p in params]
+        self.flat = torch.zeros(sum(self.sizes), dtype=self.dtype, device=self.device)  # this rank's chunks
+        mine = [p.detach().reshape(-1)[self.rank * s:][:s] for p, s in zip(params, self.sizes)]
+        _copy_chunks(self.flat.view(1, -1), mine, self.sizes, into_rows=True)
+        # Each chunk IS the parameter from now on, a plain tensor: an optimizer built after fully_shard updates
+        # this rank's chunks only, exactly as it would the full tensors since AdamW is elementwise (ZeRO-1).
+        self.shards = [nn.Parameter(c[:len(m)].view(-1, *p.shape[1:]), p.requires_grad)
+                       for c, m, p in zip(self.flat.split(self.sizes), mine, params)]
+        self.full = [nn.Parameter(torch.empty_like(p, dtype=self.param_dtype), p.requires_grad) for p in params]
+        self.owners = [[(m, k) for m in module.modules() for k, q in m.named_parameters(
+            recurse=False, remove_duplicate=False) if q is p] for p in params]  # a tied parameter: all its places
+        self.reshard()
+
+    def reshard(self):
+        """Free the full parameters: their storage, so that what autograd saved of them costs nothing either."""
+        for f, owners, s in zip(self.full, self.owners, self.shards):
+            f.untyped_storage().resize_(0)
+            for m, k in owners:
+                setattr(m, k, s)
+        self.state = "sharded"
+
+    def unshard(self, wait=True):
+        """Launch the all-gather of this unit's parameters (async) unless under way; with wait, install them."""
+        if self.state == "sharded" and self.gather is None and self.full:
+            buf = torch.empty(self.world * len(self.flat), dtype=self.param_dtype, device=self.device)
+            work = dist.all_gather_single(buf, self.flat.to(self.param_dtype), group=self.group, async_op=True)
+            self.gather = buf, work  # the output to be, and the handle to wait on
+            self.root.note("all-gather", self, buf)
+        if wait and self.gather is not None:
+            buf, work = self.gather
+            work.wait()
+            for f, owners in zip(self.full, self.owners):
+                f.untyped_storage().resize_(f.numel() * f.element_size())
+                for m, k in owners:
+                    setattr(m, k, f)
+            # Through .data: forward saved these tensors for backward, and refilling them must not bump the
+            # version counter autograd checks there (PyTorch's FSDP uses a private guard for the same).
+            _copy_chunks(buf.view(self.world, -1), [f.data for f in self.full], self.sizes, into_rows=False)
+            self.state, self.gather = "full", None
+
+    # The hooks, in the order they run in a training step.
+    def pre_forward(self, module, args, kwargs):
+        if self.root is None:  # the first unit to run forward is the root (PyTorch's rule)
+            self.init_root()
+        if self is self.root:
+            self.events = []
+        self.unshard()
+        if self.next is not None:  # its all-gather runs while this unit computes
+            self.next.unshard(wait=False)
+        self.root.events.append(f"forward {self.name}")
+        if self.param_dtype != self.dtype:  # MixedPrecisionPolicy's cast_forward_inputs (one level deep here)
+            args = tuple(self.cast(a) for a in args)
+            kwargs = {k: self.cast(v) for k, v in kwargs.items()}
+        inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        if torch.is_grad_enabled() and inputs:  # runs when autograd is through the whole unit
+            torch.autograd.graph.register_multi_grad_hook(inputs, self.post_backward)
+        return args, kwargs
+
+    def cast(self, x):
+        return x.to(self.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    def post_forward(self, module, args, output):
+        if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward to come: free even the root
+            self.reshard()
+        for t in _tensors(output):  # a node hook runs after tensor hooks: the next unit's post_backward first
+            if t.grad_fn is not None:
+                t.grad_fn.register_prehook(self.pre_backward)
+        return output
+
+    def pre_backward(self, grad):
+        if self.state == "backward":  # started by another of its outputs
+            return
+        if not self.root.queued:  # at the end of this backward, the root waits for every reduce-scatter
+            self.root.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.root.finish_backward)
+        self.unshard()
+        self.prev.unshard(wait=False)  # backward runs through the units in reverse
+        self.state = "backward"
+        self.root.events.append(f"backward {self.name}")
+
+    def post_backward(self, *unused):
+        if self.state == "reduced":
+            return
+        self.reshard()
+        self.state = "reduced"
+        for i, f in enumerate(self.full):  # with sync off, PyTorch sums full gradients in reduce_dtype
+            if f.grad is not None and (self.acc[i] is not None or not self.sync and f.grad.dtype != self.reduce_dtype):
+                self.acc[i] = f.grad.to(self.reduce_dtype) if self.acc[i] is None else self.acc[i] + f.grad
+                f.grad = None
+        if not self.sync:  # gradient accumulation: nothing is sent
+            return
+        grads = [(i, f.grad if a is None else a) for i, (f, a) in enumerate(zip(self.full, self.acc))]
+        grads = [(i, g) for i, g in grads if g is not None]
+        for f in self.full:
+            f.grad = None
+        self.acc = [None] * len(self.full)
+        while self.root.pending:  # the previous unit's reduce-scatter, done by now: one buffer in flight at most
+            self.root.finish_reduce()
+        if grads:
+            idx, sizes = [i for i, _ in grads], [self.sizes[i] for i, _ in grads]
+            rows = torch.zeros(self.world, sum(sizes), dtype=self.reduce_dtype, device=self.device)
+            _copy_chunks(rows, [g for _, g in grads], sizes, into_rows=True)
+            grads = None  # the full gradients are freed: their packed copy is all that is left
+            # The mean, as fully_shard asks for it (AVG). NCCL reduce-scatters and divides in one go. gloo has no
+            # reduce-scatter: its reduce_scatter_single all-reduces a copy of the whole buffer, keeps this rank's
+            # row and divides it. The same all-reduce in place gives the same bits without the copy.
+            if self.gloo:
+                out, work = None, dist.all_reduce(rows, group=self.group, async_op=True)
+            else:
+                out = torch.empty(rows.shape[1], dtype=self.reduce_dtype, device=self.device)
+                work = dist.reduce_scatter_single(out, rows.view(-1), op=dist.ReduceOp.AVG, group=self.group,
+                                                  async_op=True)
+            self.root.note("reduce-scatter", self, rows)  # counted as what a ring reduce-scatter sends
+            self.root.pending.append((self, work, rows, out, idx))
+
+    def set_requires_gradient_sync(self, requires_gradient_sync):
+        """Off: backward sends nothing and each rank keeps summing full gradients (gradient accumulation)."""
+        for unit in _units(self.module):
+            unit.sync = requires_gradient_sync
+
+    # The root's share: what one training step needs across its units.
+    def init_root(self):
+        units = _units(self.module)  # prefetched in this order (GPT-2 runs its blocks in it), backward reversed
+        names = [name or "root" for name, m in self.module.named_modules() if hasattr(m, "fsdp_unit")]
+        for i, (name, u) in enumerate(zip(names, units)):
+            u.root, u.name, u.prev = self, name, units[i - 1]
+            u.next = units[i + 1] if i + 1 < len(units) else None
+            if u.reshard_after_forward is None:
+                u.reshard_after_forward = u is not self
+        self.events, self.pending, self.queued, self.sent = [], [], False, 0
+
+    def note(self, what, unit, buf):
+        # A ring all-gather or reduce-scatter of buf sends (N - 1) / N of it from every rank (see 03).
+        self.sent += buf.numel() * buf.element_size() * (self.world - 1) // self.world
+        self.events.append(f"{what} {unit.name}")
+
+    def finish_reduce(self):
+        unit, work, rows, out, idx = self.pending.pop(0)
+        work.wait()
+        if out is None:  # gloo
+            out = rows[unit.rank] / unit.world
+        out, off = out.to(unit.dtype), 0  # the mean of this rank's chunks, in the shards' dtype
+        for i in idx:  # each shard's .grad is a view of out; accumulated into when there is one already
+            s, g = unit.shards[i], out[off:off + unit.shards[i].numel()].view_as(unit.shards[i])
+            s.grad = g if s.grad is None else s.grad.add_(g)
+            off += unit.sizes[i]
+
+    def finish_backward(self):
+        for u in _units(self.module):  # units whose inputs needed no gradient (the root: token ids) reduce now
+            u.post_backward()
+        while self.pending:
+            self.finish_reduce()
+        for u in _units(self.module):
+            if u.gather is not None:  # a prefetch nobody used holds the weights from before the step: drop it
+                u.gather[1].wait()
+            u.gather, u.state = None, "sharded"
+        self.queued = False
+
+
+def _unsharded_params(module, top=True):
+    """PyTorch's order: a module's children before itself, skipping submodules that are units already."""
+    if top or not hasattr(module, "fsdp_unit"):
+        for child in module.children():
+            yield from _unsharded_params(child, False)
+        yield from module.parameters(recurse=False)
+
+
+def fully_shard(module, *, process_group=None, param_dtype=None, reduce_dtype=None, reshard_after_forward=None):
+    """torch.distributed.fsdp.fully_shard by hand: one unit of module's parameters not in a unit yet. Call it on
+    each block, then on the root; param_dtype and reduce_dtype mean what MixedPrecisionPolicy's fields mean."""
+    if hasattr(module, "fsdp_unit"):
+        raise ValueError(f"{type(module).__name__} is sharded already: call fully_shard once per module")
+    params = list(dict.fromkeys(_unsharded_params(module)))  # a tied parameter once
+    for p in params:
+        if hasattr(p, "sharded_by"):
+            raise ValueError(f"a parameter of {type(module).__name__} is shared with {p.sharded_by}, sharded "
+                             "before: shard the modules that share it as one unit")
+        if p.dim() == 0 or p.dtype != params[0].dtype:
+            raise ValueError("fully_shard needs parameters of one dtype, each with a dim 0 to shard")
+        p.sharded_by = type(module).__name__
+    unit = Unit(module, params, process_group or dist.group.WORLD, param_dtype, reduce_dtype, reshard_after_forward)
+    module.fsdp_unit = unit
+    module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(unit.post_forward)
+    module.set_requires_gradient_sync = unit.set_requires_gradient_sync  # called as on PyTorch's
+    return module
+
+
+def full_state_dict(module):
+    """{name: full tensor} on every rank, with the plain module's state_dict() names: a plain checkpoint."""
+    fulls = {}
+    for unit in _units(module):
+        unit.reshard()
+        if not unit.full:
+            continue
+        buf = torch.empty(unit.world * len(unit.flat), dtype=unit.dtype, device=unit.device)
+        dist.all_gather_single(buf, unit.flat, group=unit.group)
+        fulls.update((s, torch.empty_like(f, dtype=unit.dtype)) for s, f in zip(unit.shards, unit.full))
+        _copy_chunks(buf.view(unit.world, -1), [fulls[s] for s in unit.shards], unit.sizes, into_rows=False)
+    return {k: fulls[v] if v in fulls else v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
+
+
+def load_full_state_dict(module, state):
+    """The reverse: every rank copies in its own chunk of each sharded parameter."""
+    starts, mine = {}, dict(state)
+    for unit in _units(module):
+        unit.reshard()
+        starts.update((s, unit.rank * size) for s, size in zip(unit.shards, unit.sizes))
+    for k, t in module.state_dict(keep_vars=True).items():
+        if t in starts and k in state:
+            mine[k] = state[k].reshape(-1)[starts[t]:starts[t] + t.numel()].view_as(t)
+    module.load_state_dict(mine)
+
+
+def clip_grad_norm_(parameters, max_norm, group=None):
+    """clip_grad_norm_ over shards: every parameter's squared norm summed over ranks (one all-reduce for all),
+    then the norm of their roots, as PyTorch computes it over fully_shard's sharded gradients."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in grads])
+    dist.all_reduce(squares, group=group)
+    total = torch.linalg.vector_norm(squares ** 0.5)
+    for g in grads:
+        g.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
+# --- GPT-2 trained four ways: DDP, ZeRO-2 (07), ours, PyTorch's fully_shard ---
+def gpt2(args, device):
+    import transformers
+    transformers.logging.set_verbosity_error()  # its notes on the config we set on purpose
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(args.seed)  # the same seed on every rank: identical weights before they are sharded
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=args.n_embd, n_head=args.n_head,
+                                  n_layer=args.n_layer, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    return transformers.GPT2LMHeadModel(cfg).to(device)
+
+
+def build(impl, args, device, zero):
+    """A fresh GPT-2, the module to call for impl, and its optimizer (the same AdamW for all four)."""
+    model, adamw = gpt2(args, device), dict(lr=args.lr, weight_decay=0.1)
+    if impl == "ZeRO-2":
+        net = zero.ZeroDDP(model, torch.optim.AdamW, stage=2, **adamw)
+        return model, net, net
+    if impl == "DDP":
+        net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return model, net, torch.optim.AdamW(model.parameters(), **adamw)
+    dtype = {"fp32": None, "bf16": torch.bfloat16}[args.param_dtype]
+    reshard = False if args.no_reshard_after_forward else None  # None: True, but False for the root
+    for m in [*model.transformer.h, model]:  # each block a unit, then the root
+        if impl == "ours":
+            fully_shard(m, param_dtype=dtype, reshard_after_forward=reshard)
+        else:
+            torch_fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=dtype), reshard_after_forward=reshard)
+    return model, model, torch.optim.AdamW(model.parameters(), **adamw)
+
+
+def batch(text, step, micro, args, device):
+    """Windows of Python's sources (bytes as tokens) drawn from (seed, step, micro, rank) alone: every rank sees
+    other data, and a resumed run the same data as an uninterrupted one."""
+    g = torch.Generator().manual_seed(args.seed + 1009 * (step * args.grad_accum + micro) + RANK)
+    starts = torch.randint(len(text) - args.seq_len, (args.batch_size,), generator=g).tolist()
+    return torch.stack([text[s:s + args.seq_len] for s in starts]).to(device)
+
+
+def held_mib(params, optimizer):
+    """MiB of parameters, gradients and optimizer state this rank holds, from its tensors (each storage once)."""
+    def mib(tensors):
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values()) / 2**20
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    return mib(params), mib(p.grad for p in params), mib(state)
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif os.path.exists("/proc/self/clear_refs"):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: the resident set's high-water mark starts again from here
+
+
+def peak_mib(device):
+    """Peak memory since reset_peak(): CUDA's allocator statistics, or on CPU the peak resident set (Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    if not os.path.exists("/proc/self/status"):
+        return float("nan")
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def save_atomic(obj, path):
+    """Global rank 0 only. Temp file, fsync, rename: a crash mid-write never leaves a torn checkpoint."""
+    with open(path + ".tmp", "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def train(impl, args, device, text, zero, ckpt=None):
+    """A fresh GPT-2 trained by impl to --max-steps (ours from ckpt): its full weights and what it took."""
+    gc.collect()  # the models trained before are gone before this one's peak is measured
+    reset_peak(device)
+    model, net, opt = build(impl, args, device, zero)
+    fsdp, start, norms, seconds = impl in ("ours", "fully_shard"), 0, [], []
+    if ckpt:
+        load_full_state_dict(model, ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"][RANK])
+        start = ckpt["step"]
+    with contextlib.ExitStack() as stack:
+        prof = stack.enter_context(torch.profiler.profile()) if args.profile and impl == "ours" else None
+        for step in range(start, args.max_steps):
+            t0 = time.perf_counter()
+            for micro in range(args.grad_accum):
+                last = micro == args.grad_accum - 1
+                if fsdp:  # gradient accumulation: the last micro-batch reduces the sum of all
+                    net.set_requires_gradient_sync(last)
+                with contextlib.nullcontext() if fsdp or last else net.no_sync():
+                    x = batch(text, step, micro, args, device)
+                    loss = net(input_ids=x, labels=x).loss
+                    (loss / args.grad_accum).backward()
+            if args.clip > 0:
+                norm = (clip_grad_norm_ if impl == "ours" else nn.utils.clip_grad_norm_)(model.parameters(), args.clip)
+                norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+            opt.step()
+            held = held_mib(list(model.parameters()), getattr(opt, "optimizer", opt))  # ZeRO-2's: its .optimizer
+            opt.zero_grad()
+            seconds.append(time.perf_counter() - t0)
+            if impl == "ours" and ((step + 1) % args.log_every == 0 or step + 1 == args.max_steps):
+                print0(f"step {step + 1:4d}/{args.max_steps} | loss {loss.item():.4f} (rank 0's last micro-batch)")
+            if impl == "ours" and args.out and (step + 1) % args.ckpt_every == 0:
+                state = {"model": full_state_dict(model), "optimizer": [None] * WORLD, "step": step + 1}
+                dist.gather_object(opt.state_dict(), state["optimizer"] if RANK == 0 else None)  # all the shards
+                if RANK == 0:
+                    save_atomic(state, os.path.join(args.out, "checkpoint.pt"))
+    if prof:
+        prof.export_chrome_trace(os.path.join(args.profile, f"trace_rank{RANK}.json"))
+    full = full_state_dict(model) if impl == "ours" else model.state_dict()
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in full.items()}
+    sent = model.fsdp_unit.sent / len(seconds) if impl == "ours" else 0  # per step
+    ms = statistics.median(seconds[1:] or seconds) * 1e3  # the first step warms up
+    return full, dict(held=held, peak=peak_mib(device), ms=ms, norms=norms, sent=sent,
+                      events=model.fsdp_unit.events if impl == "ours" else [])
+
+
+def main(args):
+    device = setup(args, min_world=1)
+    if device.type == "cpu" and sys.platform == "linux":  # glibc: a tensor over 128 KiB gets its own mmap, so
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # freeing it shrinks the resident set (-3: M_MMAP_THRESHOLD)
+    print0(f"world_size={WORLD} backend={dist.get_backend()} device={device} param_dtype={args.param_dtype} "
+           f"torch={torch.__version__}")
+    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:40]
+    text = torch.frombuffer(bytearray(b"".join(Path(f).read_bytes() for f in files)), dtype=torch.uint8).long()
+    for folder in (args.out, args.profile):
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+    path = os.path.join(args.out, "checkpoint.pt") if args.out else ""
+    # Every rank reads it, mapped: only the pages of its own chunks and optimizer shard are read in.
+    ckpt = torch.load(path, map_location="cpu", mmap=True) if os.path.exists(path) else None
+    if ckpt and (len(ckpt["optimizer"]) != WORLD or ckpt["step"] >= args.max_steps):
+        raise UsageError(f"{path}: step {ckpt['step']} of {len(ckpt['optimizer'])} ranks; resume with as many "
+                         "ranks and a larger --max-steps")
+    zero, here = None, os.path.join(os.path.dirname(os.path.abspath(__file__)), "07_zero.py")
+    if os.path.exists(here):  # the lesson imports its predecessor only to compare with it
+        spec = importlib.util.spec_from_file_location("zero", here)
+        zero = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(zero)
+    if ckpt:
+        print0(f"resumed from {path} at step {ckpt['step']}")
+    runs = {"ours": train("ours", args, device, text, zero, ckpt)}
+    for impl in ["fully_shard", "DDP", "ZeRO-2"]:
+        if impl != "ZeRO-2" or zero:
+            runs[impl] = train(impl, args, device, text, zero)
+    (ours, o), (theirs, t), (ddp, d) = runs["ours"], runs["fully_shard"], runs["DDP"]
+    forward = max(i for i, e in enumerate(o["events"]) if e.startswith("forward")) + 1
+    print0("launches against compute in the last step (rank 0):\n  forward:  " + " > ".join(o["events"][:forward])
+           + "\n  backward: " + " > ".join(o["events"][forward:]))
+    # Sent per step: ours counted (fully_shard issues the same collectives on the same buffers: see the tests).
+    # DDP: one ring all-reduce of the gradients; ZeRO-2 a reduce-scatter and an all-gather: both 2(N-1)/N of them.
+    params = {v.data_ptr(): v.nbytes for v in ddp.values()}  # the tied embedding once, as DDP reduces it
+    o_sent, d_sent = o["sent"], 2 * (WORLD - 1) / WORLD * sum(params.values())
+    rows = []
+    for impl in ["DDP", "ZeRO-2", "ours", "fully_shard"]:
+        if impl not in runs:
+            rows.append(f"| {RANK} | {impl} | n/a (07_zero.py not beside this file) |||||||")
+            continue
+        (p, g, opt), s = runs[impl][1]["held"], runs[impl][1]
+        sent = o_sent if impl in ("ours", "fully_shard") else d_sent
+        rows.append(f"| {RANK} | {impl} | {p:.3f} | {g:.3f} | {opt:.3f} | {s['peak']:,.0f} | {sent / 2**20:.3f} | "
+                    f"{sent / max(d_sent, 1):.2f} | {s['ms']:.1f} |")
+    table = [None] * WORLD
+    dist.all_gather_object(table, rows)
+    print0("| rank | | params MiB | grads MiB | optimizer MiB | peak MiB | sent MiB/step | x DDP | ms/step |\n"
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|\n" + "\n".join(r for rank_rows in table for r in rank_rows))
+    if args.clip > 0:
+        print0(f"clip, last step: global norm over shards {o['norms'][-1]:.7f} | fully_shard's {t['norms'][-1]:.7f} "
+               f"| clip_grad_norm_ over DDP's full gradients {d['norms'][-1]:.7f}")
+    # The checks: ours == fully_shard bit for bit, == DDP within float tolerance (fp32). Every rank holds the same
+    # weights by construction: each element lives on one rank only, and every rank gathers it from there.
+    differ = [k for k in ours if not torch.equal(ours[k].view(torch.uint8), theirs[k].view(torch.uint8))]
+    gap = max((ours[k].float() - ddp[k].float()).abs().max().item() for k in ours)
+    if args.out and RANK == 0:  # a plain state dict: an unsharded GPT-2 loads it, and from_pretrained that
+        plain = gpt2(args, "cpu")
+        plain.load_state_dict({k: v.cpu() for k, v in ours.items()})
+        plain.save_pretrained(args.out)
+        print0(f"saved the trained model to {args.out} (transformers' from_pretrained loads it)")
+    if differ:
+        raise RuntimeError(f"ours != fully_shard in {differ[:3]}")
+    if args.param_dtype == "fp32" and gap > 1e-4:
+        raise RuntimeError(f"ours is {gap:.1e} away from DDP")
+    if sum(o["held"]) > sum(d["held"]) / WORLD * 1.05 + 0.01:
+        raise RuntimeError(f"ours holds {sum(o['held']):.2f} MiB, not 1/{WORLD} of DDP's {sum(d['held']):.2f}")
+    print0(f"OK ours == fully_shard bit for bit after {args.max_steps} AdamW steps ({args.param_dtype}, world size "
+           f"{WORLD}), DDP within {gap:.1e}; each rank holds 1/{WORLD} of DDP's bytes")
+
+
+def parse_args():
+    p = parser(__doc__, timeout_s=300)
+    g = p.add_argument_group("model and data")
+    g.add_argument("--n-layer", type=int, default=4, help="GPT-2 blocks, one FSDP unit each")
+    g.add_argument("--n-embd", type=int, default=128, help="width")
+    g.add_argument("--n-head", type=int, default=4, help="attention heads")
+    g.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch")
+    g = p.add_argument_group("training")
+    g.add_argument("--max-steps", type=int, default=30, help="optimizer steps")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step: only the last one reduces")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (weight decay 0.1)")
+    g.add_argument("--clip", type=float, default=0.0, help="clip the global gradient norm to this (0: off)")
+    g.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32", help="compute in this (master: fp32)")
+    g.add_argument("--no-reshard-after-forward", action="store_true", help="keep gathered weights for backward")
+    g.add_argument("--seed", type=int, default=0, help="model init (same on all ranks); the data differs by rank")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=None, help="directory: resume from its checkpoint, write one every --ckpt-every")
+    g.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints")
+    g.add_argument("--log-every", type=int, default=10, help="steps between loss lines")
+    g.add_argument("--profile", default=None, help="directory for a torch.profiler trace of our run, per rank")
+    args = p.parse_args()
+    for name in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "max_steps", "grad_accum", "ckpt_every",
+                 "log_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.n_embd % args.n_head or args.lr <= 0 or args.clip < 0:
+        p.error("--n-embd must be a multiple of --n-head, --lr > 0, --clip >= 0")
+    return args
+
+
+if __name__ == "__main__":
+    run(main, parse_args)
