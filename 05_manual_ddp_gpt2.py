@@ -920,7 +920,6 @@ def train(args, device, local_rank):
                    f"longer schedule from step {start} on (lr {lr_factor(start, args) * args.lr:.2e})")
     del ckpt
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
-    autocast = lambda: torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)  # noqa: E731
     batches = batches_from(data, per_epoch, args, start_micro=start * args.grad_accum)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * WORLD
     flops_per_step = flops_per_token(model, args.seq_len) * tokens_per_step
@@ -950,7 +949,7 @@ def train(args, device, local_rank):
                 # attribute no_sync() sets; written directly, as nanoGPT does, it reads as the schedule it is.)
                 if args.impl != "naive":
                     ddp.require_backward_grad_sync = micro == args.grad_accum - 1
-                with autocast():
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                     logits = ddp(input_ids=batch[:, :-1]).logits
                 loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
                 scaler.scale(loss / args.grad_accum).backward()

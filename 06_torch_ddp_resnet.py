@@ -158,24 +158,27 @@ def load_data(args, local_rank):
         try:
             D.MNIST(args.data_dir, train=True, download=True)
             D.MNIST(args.data_dir, train=False, download=True)
-        except Exception as e:  # offline, proxy, disk full...
-            error = str(e).strip().splitlines()[0]
+        except Exception as e:  # offline, proxy, disk full, damaged files...
+            error = (str(e).strip().splitlines() or [type(e).__name__])[0]
     errors = [None] * WORLD
     dist.all_gather_object(errors, error)
+    raw = os.path.join(args.data_dir, "MNIST", "raw")
+    if any(errors) and os.path.isdir(raw) and os.listdir(raw):  # there, but damaged or incomplete
+        raise UsageError(f"the MNIST files in {raw} do not load ({next(e for e in errors if e)}): delete them to "
+                         "download them again")
     if any(errors):
         raise UsageError(f"MNIST is not in --data-dir {args.data_dir} and could not be downloaded "
-                         f"({next(e for e in errors if e)}). Put the four MNIST files in "
-                         f"{os.path.join(args.data_dir, 'MNIST', 'raw')}, or run a smoke test with --dataset fake")
-    try:  # the files are there, but may be damaged (a copy cut short): every rank finds out, and says it once
+                         f"({next(e for e in errors if e)}). Put the four MNIST files in {raw}, or run a smoke "
+                         "test with --dataset fake")
+    try:  # on other nodes the files may be damaged too (a copy cut short): every rank finds out, one says it
         train, val = D.MNIST(args.data_dir, train=True, transform=tf), D.MNIST(args.data_dir, train=False, transform=tf)
         error = ""
     except Exception as e:
         error = f"{type(e).__name__} {str(e).strip()[:120]}".strip()
-    errors = [None] * WORLD
     dist.all_gather_object(errors, error)
     if any(errors):
-        raise UsageError(f"the MNIST files in {os.path.join(args.data_dir, 'MNIST', 'raw')} do not load "
-                         f"({next(e for e in errors if e)}): delete them to download them again")
+        raise UsageError(f"the MNIST files in {raw} do not load ({next(e for e in errors if e)}): delete them to "
+                         "download them again")
     return first(train, args.max_train_samples), first(val, args.max_val_samples)
 
 

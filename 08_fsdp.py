@@ -133,6 +133,9 @@ def run(main, parse_args):
 
 
 # --- the idea: fully sharded data parallel by hand ---
+# The two halves of 03's ring. torch 2.14 renamed reduce_scatter_tensor and all_gather_into_tensor to *_single.
+reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 def _tensors(x):
     """The tensors in forward inputs or outputs: a tensor, or tuples, lists and dicts of them."""
     if isinstance(x, dict):
@@ -198,7 +201,7 @@ class Unit:
         """Launch the all-gather of this unit's parameters (async) unless under way; with wait, install them."""
         if self.state == "sharded" and self.gather is None and self.full:
             buf = torch.empty(self.world * len(self.flat), dtype=self.param_dtype, device=self.device)
-            work = dist.all_gather_single(buf, self.flat.to(self.param_dtype), group=self.group, async_op=True)
+            work = all_gather(buf, self.flat.to(self.param_dtype), group=self.group, async_op=True)
             self.gather = buf, work  # the output to be, and the handle to wait on
             self.root.note("all-gather", self, buf)
         if wait and self.gather is not None:
@@ -283,7 +286,7 @@ class Unit:
                 out, work = None, dist.all_reduce(rows, group=self.group, async_op=True)
             else:
                 out = torch.empty(rows.shape[1], dtype=self.reduce_dtype, device=self.device)
-                work = dist.reduce_scatter_single(out, rows.view(-1), op=dist.ReduceOp.AVG, group=self.group,
+                work = reduce_scatter(out, rows.view(-1), op=dist.ReduceOp.AVG, group=self.group,
                                                   async_op=True)
             self.root.note("reduce-scatter", self, rows)  # counted as what a ring reduce-scatter sends
             self.root.pending.append((self, work, rows, out, idx))
@@ -369,7 +372,7 @@ def full_state_dict(module):
         if not unit.full:
             continue
         buf = torch.empty(unit.world * len(unit.flat), dtype=unit.dtype, device=unit.device)
-        dist.all_gather_single(buf, unit.flat, group=unit.group)
+        all_gather(buf, unit.flat, group=unit.group)
         fulls.update((s, torch.empty_like(f, dtype=unit.dtype)) for s, f in zip(unit.shards, unit.full))
         _copy_chunks(buf.view(unit.world, -1), [fulls[s] for s in unit.shards], unit.sizes, into_rows=False)
     return {k: fulls[v] if v in fulls else v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
@@ -443,7 +446,8 @@ def held_mib(params, optimizer):
         local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values()) / 2**20
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
-    return mib(params), mib(p.grad for p in params), mib(state)
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]  # ZeRO-2: its shards' pieces
+    return mib(params), mib(p.grad for p in stepped), mib(state)
 
 
 def reset_peak(device):
@@ -499,7 +503,7 @@ def train(impl, args, device, text, zero, ckpt=None):
                 norm = (clip_grad_norm_ if impl == "ours" else nn.utils.clip_grad_norm_)(model.parameters(), args.clip)
                 norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
             opt.step()
-            held = held_mib(list(model.parameters()), getattr(opt, "optimizer", opt))  # ZeRO-2's: its .optimizer
+            held = held_mib(list(model.parameters()), getattr(opt, "optim", opt))  # ZeroDDP's optimizer: .optim
             opt.zero_grad()
             seconds.append(time.perf_counter() - t0)
             if impl == "ours" and ((step + 1) % args.log_every == 0 or step + 1 == args.max_steps):
@@ -544,8 +548,10 @@ def main(args):
     if ckpt:
         print0(f"resumed from {path} at step {ckpt['step']}")
     runs = {"ours": train("ours", args, device, text, zero, ckpt)}
+    # ZeRO-2 (07) reduces its gradients in every backward: it has no accumulation, so no column with --grad-accum.
+    missing = "07_zero.py not beside this file" if not zero else "07 does not accumulate" if args.grad_accum > 1 else ""
     for impl in ["fully_shard", "DDP", "ZeRO-2"]:
-        if impl != "ZeRO-2" or zero:
+        if impl != "ZeRO-2" or not missing:
             runs[impl] = train(impl, args, device, text, zero)
     (ours, o), (theirs, t), (ddp, d) = runs["ours"], runs["fully_shard"], runs["DDP"]
     forward = max(i for i, e in enumerate(o["events"]) if e.startswith("forward")) + 1
@@ -558,7 +564,7 @@ def main(args):
     rows = []
     for impl in ["DDP", "ZeRO-2", "ours", "fully_shard"]:
         if impl not in runs:
-            rows.append(f"| {RANK} | {impl} | n/a (07_zero.py not beside this file) |||||||")
+            rows.append(f"| {RANK} | {impl} | n/a ({missing}) |||||||")
             continue
         (p, g, opt), s = runs[impl][1]["held"], runs[impl][1]
         sent = o_sent if impl in ("ours", "fully_shard") else d_sent
@@ -616,9 +622,22 @@ def parse_args():
                  "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.n_embd % args.n_head or args.lr <= 0 or args.clip < 0:
+    if args.n_embd % args.n_head or not args.lr > 0 or not args.clip >= 0:
         p.error("--n-embd must be a multiple of --n-head, --lr > 0, --clip >= 0")
+    for flag, path in (("--out", args.out), ("--profile", args.profile)):
+        if path and unwritable(path):
+            p.error(f"{flag} {path}: {unwritable(path)}")
     return args
+
+
+def unwritable(path):
+    """Why this run could not write into directory `path` (made if missing), or None."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a directory"
+    return None if os.access(existing, os.W_OK | os.X_OK) else f"{existing} is not writable"
 
 
 if __name__ == "__main__":

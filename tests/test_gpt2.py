@@ -31,12 +31,12 @@ def lines_with(res, text):
 @pytest.mark.slow
 def test_default_run_is_offline_and_loss_falls():
     # The default model, tokenizer and data set, with fewer steps than the 300 of the real default.
-    res = launch.torchrun(SCRIPT, 2, ["--max-steps", "60", "--warmup-steps", "10", "--log-every", "20"], timeout=300)
+    res = launch.torchrun(SCRIPT, 2, ["--max-steps", "30", "--warmup-steps", "10", "--log-every", "10"], timeout=300)
     assert not res.timed_out and res.returncode == 0, res.output
     ok = res.ok_line()
     assert ok and "replicas identical; loss fell" in ok, res.output
     first, last = (float(x) for x in ok.rsplit(" ", 3)[-3::2])
-    assert last < first - 0.8, ok  # from ~5.5 (uniform over 257 bytes) to well below
+    assert last < first - 1.0, ok  # from ~5.5 (uniform over 257 bytes) to well below
     assert "sample:" in res.output
 
 
@@ -128,7 +128,7 @@ def tiny_models(tmp_path_factory):
 ])
 def test_pretrained_model_on_local_files(tiny_models, tmp_path, arch, impl, extra):
     args = ["--model", tiny_models / arch, "--dataset", tiny_models / "text", "--seq-len", "32", "--batch-size", "4",
-            "--max-steps", "6", "--log-every", "3", "--sample-tokens", "8", "--impl", impl, *extra,
+            "--max-steps", "4", "--log-every", "2", "--sample-tokens", "8", "--impl", impl, *extra,
             "--out", tmp_path / "out"]
     res = launch.torchrun(SCRIPT, 2, args, timeout=180)
     assert res.returncode == 0 and res.ok_line(), res.output
@@ -183,11 +183,7 @@ def test_compile_keeps_losses_and_overlap():
 
 @pytest.mark.slow
 def test_compiled_run_end_to_end():
-    """--compile with the default backend (inductor, which needs a C++ compiler on the CPU) trains as eager does."""
-    args = TINY + ["--max-steps", 4, "--sample-tokens", 0]
-    eager = launch.torchrun(SCRIPT, 2, args, timeout=240)
-    compiled = launch.torchrun(SCRIPT, 2, args + ["--compile"], timeout=400)
-    assert eager.returncode == 0 and compiled.returncode == 0 and compiled.ok_line(), compiled.output
-    loss = [[float(ln.split("| loss")[1].split()[0]) for ln in r.output.splitlines() if "| loss" in ln]
-            for r in (eager, compiled)]
-    assert len(loss[0]) == len(loss[1]) > 1 and all(abs(a - b) < 1e-3 for a, b in zip(*loss)), loss
+    """--compile with its default backend (inductor, which needs a C++ compiler on the CPU) trains to the end. That
+    compiled losses equal eager ones, for every --impl, is the worker's check above (same graphs, aot_eager)."""
+    res = launch.torchrun(SCRIPT, 2, TINY + ["--max-steps", 4, "--sample-tokens", 0, "--compile"], timeout=400)
+    assert res.returncode == 0 and res.ok_line() and "compiling 2 blocks" in res.output, res.output

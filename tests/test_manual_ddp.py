@@ -31,9 +31,3 @@ def test_bit_identical_to_ddp_at_every_step(nproc):
 def test_drop_in_for_ddp(nproc):
     res = launch.run(launch.torchrun_cmd("tests/workers/dropin_worker.py", nproc), timeout=240)
     assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output
-
-
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_equals_single_process_and_ddp(nproc):
-    res = launch.run(launch.torchrun_cmd("tests/workers/ddp_worker.py", nproc), timeout=180)
-    assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output

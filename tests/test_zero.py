@@ -30,12 +30,6 @@ def test_bad_flags_are_one_usage_error(argv, says):
         script.parse_args(argv)
 
 
-def test_bad_flag_is_one_line_and_exit_2():
-    res = launch.python(SCRIPT, ["--stage", "3"], timeout=60)
-    lines = [line for line in res.output.splitlines() if line.strip()]
-    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: argument --stage"), res.output
-
-
 def table(output):
     """{(rank, what): [DDP, ZeRO-1, ZeRO-2] in MiB} from the script's markdown table."""
     rows = {}

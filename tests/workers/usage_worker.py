@@ -1,12 +1,13 @@
-"""Run each (script, arguments) case of a table as a would-be rank of a 2-rank job; report what it did, as JSON.
+"""Run each case of a table as one process of a would-be job, and report what it did, as JSON.
 
-Each case runs in a forked child (torch and transformers are imported once, here), with torchrun's environment
-for the rank given on the command line, and exits as the script makes it exit. Bad input must be caught before
-any process group starts: a case that gets as far as init_process_group would wait for a peer that never comes,
-so the child is killed after 30 seconds and the case reported as such. RANK "alone" runs each case as plain
-`python script.py` (a group of one), for inputs that only the model or the data can reveal.
+A case is (script, arguments, as, extra environment). `as` is "0" or "1": that rank of a 2-rank job, with
+torchrun's environment; "rank0of1": a 1-rank torchrun job; "alone": plain `python script.py` (a group of one, for
+inputs only the model or the data reveal). Each case runs in a forked child (torch and transformers are imported
+once, here) and exits as the script makes it exit. Bad input must be caught before any process group starts: a
+rank of a 2-rank job that gets as far as init_process_group would wait for a peer that never comes, so a child
+still running after 30 seconds is killed and the case reported as such.
 
-  python tests/workers/usage_worker.py RANK|alone CASES.json OUT.json
+  python tests/workers/usage_worker.py CASES.json OUT.json
 """
 
 import io
@@ -24,16 +25,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import REPO, load_script  # noqa: E402
 
 
-def run_case(script, argv, rank):
-    """Exit status and combined output of script's run() with argv, as rank `rank` of 2."""
+def run_case(script, argv, rank, env):
+    """Exit status and combined output of script's run() with argv, as `rank` says."""
     with tempfile.TemporaryFile(mode="w+") as out:
         pid = os.fork()
         if pid == 0:  # the child: become the script's process
             os.dup2(out.fileno(), 1)
             os.dup2(out.fileno(), 2)
             sys.stdout, sys.stderr = io.TextIOWrapper(os.fdopen(1, "wb", 0)), io.TextIOWrapper(os.fdopen(2, "wb", 0))
-            if rank != "alone":
-                os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+            os.environ.update(env)
+            if rank in ("0", "1", "rank0of1"):
+                number, world = ("0", "1") if rank == "rank0of1" else (rank, "2")
+                os.environ.update(RANK=number, LOCAL_RANK=number, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
                                   MASTER_ADDR="127.0.0.1", MASTER_PORT="9")  # port 9: nothing listens there
             sys.argv = [str(REPO / script)] + argv
             code = 0
@@ -64,8 +67,8 @@ def run_case(script, argv, rank):
 
 
 def main():
-    rank, cases, result = sys.argv[1], json.loads(open(sys.argv[2]).read()), sys.argv[3]
-    report = [run_case(script, argv, rank) for script, argv in cases]
+    cases, result = json.loads(open(sys.argv[1]).read()), sys.argv[2]
+    report = [run_case(script, argv, rank, env) for script, argv, rank, env in cases]
     with open(result, "w") as f:
         json.dump(report, f)
 
