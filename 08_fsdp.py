@@ -51,8 +51,9 @@ def print0(*msg):
 
 
 def log(*msg):
-    """A per-rank line, tagged so interleaved output stays readable."""
-    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)), flush=True)
+    """A per-rank line, tagged so interleaved output stays readable; one write, so lines never mix mid-line."""
+    sys.stdout.write(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n")
+    sys.stdout.flush()
 
 
 def parser(doc, timeout_s=120):

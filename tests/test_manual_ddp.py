@@ -21,13 +21,13 @@ def test_constructor_takes_every_ddp_argument_with_ddp_defaults():
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ours.values()), "no **kwargs to hide typos"
 
 
-@pytest.mark.parametrize("nproc", [3, 4])
-def test_bit_identical_to_ddp_at_every_step(nproc):
-    res = launch.run(launch.torchrun_cmd("tests/workers/exact_worker.py", nproc), timeout=240)
+def test_bit_identical_to_ddp_at_every_step_on_4_ranks():
+    res = launch.run(launch.torchrun_cmd("tests/workers/exact_worker.py", 4), timeout=240)
     assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_drop_in_for_ddp(nproc):
-    res = launch.run(launch.torchrun_cmd("tests/workers/dropin_worker.py", nproc), timeout=240)
+    """On 3 ranks the same launch also runs exact_worker's checks: bit-identical to DDP at every step."""
+    res = launch.run(launch.torchrun_cmd("tests/workers/dropin_worker.py", nproc), timeout=300)
     assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output

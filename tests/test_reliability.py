@@ -129,9 +129,11 @@ def wait_for(proc, text, timeout=120):
 
 def test_one_run_per_out_and_a_killed_run_leaves_no_stale_lock(tmp_path):
     out = tmp_path / "out"
-    first = start("05_manual_ddp_gpt2.py", TINY + ["--max-steps", 400, "--ckpt-every", 4], out)
+    # A plain `python` run (a group of one), with a profiler trace of its steps 3-5 on the way.
+    first = start("05_manual_ddp_gpt2.py", TINY + ["--max-steps", 400, "--ckpt-every", 4,
+                                                   "--profile", tmp_path / "prof"], out)
     try:
-        wait_for(first, "saved")  # it holds the lock and has written a checkpoint
+        assert "world_size=1" in wait_for(first, "saved")  # it holds the lock and has written a checkpoint
         second = launch.python("05_manual_ddp_gpt2.py", TINY + ["--max-steps", 8, "--out", out], timeout=120)
         errors = [ln for ln in second.output.splitlines() if ln.startswith("error:")]
         assert second.returncode == 2 and len(errors) == 1 and "is in use by another run" in errors[0], second.output
@@ -139,6 +141,7 @@ def test_one_run_per_out_and_a_killed_run_leaves_no_stale_lock(tmp_path):
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # a crash: no clean exit, no chance to release anything
         first.wait()
+    assert (tmp_path / "prof" / "trace_rank0.json").stat().st_size > 0
     restart = launch.python("05_manual_ddp_gpt2.py", TINY + ["--max-steps", 8, "--sample-tokens", 0, "--out", out],
                             timeout=120)
     assert restart.returncode == 0 and "resumed from" in restart.output and restart.ok_line(), restart.output

@@ -436,6 +436,14 @@ def check_constructor():
     assert c.calls == ["all_reduce"] * len(again.buckets), c.calls
 
 
+def check_exact_on_3():
+    """exact_worker's bit-for-bit checks, here too when 3 ranks run (4 ranks: their own launch)."""
+    if WORLD == 3:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import exact_worker
+        exact_worker.check_exact()
+
+
 def main():
     global RANK, WORLD
     dist.init_process_group("gloo")
@@ -447,7 +455,7 @@ def main():
                         ("ready_twice", check_ready_twice), ("unused", check_unused_skip_and_delay),
                         ("subgroup", check_subgroup), ("single_process", check_training),
                         ("bucket_sizes", check_bucket_layout), ("no_sync", check_no_sync),
-                        ("bypassed", check_forward_bypassed)]:
+                        ("bypassed", check_forward_bypassed), ("exact", check_exact_on_3)]:
         if (only == [""] or name in only) and (name != "subgroup" or WORLD == 3):
             if RANK == 0:
                 print("check", name, flush=True)
