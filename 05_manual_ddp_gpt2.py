@@ -766,11 +766,12 @@ def checkpoints(out):
     return sorted(names, key=lambda d: int(d.split("-")[1]))
 
 
-def resume_state(out, model, device):
+def resume_state(out, device):
     """(path, state) of the newest checkpoint in --out that loads, on every rank; (None, None) if there is none.
 
     Global rank 0 chooses and tells the others, so that all resume from the same step. A checkpoint that does not
-    load (a disk fault, a copy cut short) is skipped with a warning and left in place for inspection.
+    load (a disk fault, a copy cut short) is skipped with a warning and left in place for inspection. Called before
+    the model and data are built, so that a rank that cannot read it stops the run at once, not minutes later.
     """
     state, choice = None, [None]
     names = checkpoints(out) if RANK == 0 and out and os.path.isdir(out) else []
@@ -794,14 +795,18 @@ def resume_state(out, model, device):
     dist.all_gather_object(errors, error)  # all stop together, none left waiting in a collective
     if any(errors):
         raise UsageError(next(e for e in errors if e))
+    return choice[0], state
+
+
+def check_fits(path, state, model):
+    """A checkpoint of another model configuration: one line naming the first tensor whose shape differs."""
     mine = model.state_dict()
     for key in sorted(mine.keys() | state["model"].keys()):
         theirs = tuple(state["model"][key].shape) if key in state["model"] else "nothing"
         if theirs != (tuple(mine[key].shape) if key in mine else "nothing"):
             ours = tuple(mine[key].shape) if key in mine else "nothing"
-            raise UsageError(f"{choice[0]} was written for another model: it holds {theirs} for {key}, this run's "
+            raise UsageError(f"{path} was written for another model: it holds {theirs} for {key}, this run's "
                              f"model {ours}. Use the flags that wrote it, or another --out")
-    return choice[0], state
 
 
 def save_checkpoint(out, step, state, keep):
@@ -884,6 +889,8 @@ def wrap(model, impl, args, device):
 # --- training ---
 def train(args, device, local_rank):
     from tqdm import tqdm
+    # Read before the model and data are built: a rank that cannot read it stops the run at once.
+    ckpt_path, ckpt = resume_state(args.out, device)
     tok, model = build_model(args)
     ids = tokenize(load_texts(args, local_rank), tok)
     data = Blocks(ids, args.seq_len)
@@ -896,8 +903,8 @@ def train(args, device, local_rank):
     model.to(device)
     if args.compile:
         print0(f"compiling {compile_blocks(model)} blocks one by one (the first steps wait for it)")
-    ckpt_path, ckpt = resume_state(args.out, model, device)
     if ckpt:
+        check_fits(ckpt_path, ckpt, model)
         model.load_state_dict(ckpt["model"])
     ddp = wrap(model, args.impl, args, device)
     # The fused kernel on a GPU; the CPU keeps the per-tensor loop, which the tests check bit for bit.
@@ -928,6 +935,7 @@ def train(args, device, local_rank):
     say = tqdm.write if not bar.disable else print0  # print above the bar, not through it
     profiler = contextlib.ExitStack()
     if args.profile:
+        os.makedirs(args.profile, exist_ok=True)  # each rank writes its own trace there
         prof = profiler.enter_context(torch.profiler.profile(
             schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
             on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(args.profile, f"trace_rank{RANK}.json"))))
@@ -1040,12 +1048,11 @@ def main(args):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} impl={args.impl} "
            f"precision={args.precision} torch={torch.__version__}")
+    lock = claim(args.out) if args.out else None  # held until this run ends
     import transformers
     transformers.logging.set_verbosity_error()  # long documents trigger a harmless length warning
     transformers.utils.logging.disable_progress_bar()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    lock = claim(args.out) if args.out else None  # held until this run ends
-    tok, model, first, last = train(args, device, local_rank)
+    tok, model, first, last = train(args, device, int(os.environ.get("LOCAL_RANK", 0)))
     finish(args, tok, model, device, first, last)
     if lock:
         lock.close()
