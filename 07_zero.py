@@ -32,6 +32,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+ADAMW_BETAS = (0.9, 0.95)  # GPT-2's, as in 05; PyTorch's default 0.999 reacts slower to a changing loss
+WEIGHT_DECAY = 0.1  # on matrices only: biases and LayerNorm gains are not decayed
+DATA_SEED_STRIDE = 7919  # batch seed = seed + stride * step + rank: a prime, so no two (step, rank) share a seed
+
 # --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
 RANK, WORLD = 0, 1
 
@@ -337,7 +341,7 @@ def build_model(args, device):
 
 def tokens(step, args, device):
     """Random tokens: a different batch on every rank (the seed adds the rank) and step, the same in every run."""
-    g = torch.Generator().manual_seed(args.seed + 7919 * step + RANK)
+    g = torch.Generator().manual_seed(args.seed + DATA_SEED_STRIDE * step + RANK)
     return torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=g).to(device)
 
 
@@ -382,7 +386,7 @@ def train(kind, base, args, device):
     # Weight decay on matrices only, not on biases and LayerNorm gains: two parameter groups.
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2]},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    opts = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opts = dict(lr=args.lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
     if kind == 0:
         ids = [device.index] if device.type == "cuda" else None
         wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
@@ -478,7 +482,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--bucket-cap-mb", type=float, default=1.0, help="gradient bucket size, for DDP and ZeRO alike")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (weight decay 0.1 on matrices)")
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help=f"AdamW learning rate (weight decay {WEIGHT_DECAY} on matrices)")
     p.add_argument("--seed", type=int, default=0, help="model init (same on all ranks); the data adds the rank")
     args = p.parse_args(argv)
     if min(args.steps, args.n_layer, args.vocab_size, args.seq_len, args.batch_size) < 1 or args.n_embd % 64:

@@ -36,6 +36,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
+WEIGHT_DECAY = 0.1  # AdamW's, the same for all four implementations
+DATA_SEED_STRIDE = 1009  # batch seed = seed + stride * micro-batch + rank: a prime, so no two pairs share one
+MMAP_THRESHOLD = 128 * 1024  # glibc: a tensor over this gets its own mmap, so freeing it shrinks the resident set
+
 # --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
 RANK, WORLD = 0, 1
 
@@ -416,7 +420,7 @@ def gpt2(args, device):
 
 def build(impl, args, device, zero):
     """A fresh GPT-2, the module to call for impl, and its optimizer (the same AdamW for all four)."""
-    model, adamw = gpt2(args, device), dict(lr=args.lr, weight_decay=0.1)
+    model, adamw = gpt2(args, device), dict(lr=args.lr, weight_decay=WEIGHT_DECAY)
     if impl == "ZeRO-2":
         net = zero.ZeroDDP(model, torch.optim.AdamW, stage=2, **adamw)
         return model, net, net
@@ -436,7 +440,7 @@ def build(impl, args, device, zero):
 def batch(text, step, micro, args, device):
     """Windows of Python's sources (bytes as tokens) drawn from (seed, step, micro, rank) alone: every rank sees
     other data, and a resumed run the same data as an uninterrupted one."""
-    g = torch.Generator().manual_seed(args.seed + 1009 * (step * args.grad_accum + micro) + RANK)
+    g = torch.Generator().manual_seed(args.seed + DATA_SEED_STRIDE * (step * args.grad_accum + micro) + RANK)
     starts = torch.randint(len(text) - args.seq_len, (args.batch_size,), generator=g).tolist()
     return torch.stack([text[s:s + args.seq_len] for s in starts]).to(device)
 
@@ -526,8 +530,8 @@ def train(impl, args, device, text, zero, ckpt=None):
 
 def main(args):
     device = setup(args, min_world=1)
-    if device.type == "cpu" and sys.platform == "linux":  # glibc: a tensor over 128 KiB gets its own mmap, so
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # freeing it shrinks the resident set (-3: M_MMAP_THRESHOLD)
+    if device.type == "cpu" and sys.platform == "linux":  # the resident set then measures what is held (see above)
+        ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device} param_dtype={args.param_dtype} "
            f"torch={torch.__version__}")
     files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:40]
@@ -608,7 +612,7 @@ def parse_args():
     g = p.add_argument_group("training")
     g.add_argument("--max-steps", type=int, default=30, help="optimizer steps")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step: only the last one reduces")
-    g.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (weight decay 0.1)")
+    g.add_argument("--lr", type=float, default=3e-3, help=f"AdamW's learning rate (weight decay {WEIGHT_DECAY})")
     g.add_argument("--clip", type=float, default=0.0, help="clip the global gradient norm to this (0: off)")
     g.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32", help="compute in this (master: fp32)")
     g.add_argument("--no-reshard-after-forward", action="store_true", help="keep gathered weights for backward")
