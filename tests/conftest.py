@@ -18,15 +18,15 @@ def load_script(filename):
     return module
 
 
-def identical_across_ranks(tensors):
-    """In a worker under torchrun: True on every rank iff ``tensors`` are bitwise equal on all ranks."""
+def identical_across_ranks(tensors, group=None):
+    """In a worker under torchrun: True on every rank of ``group`` iff ``tensors`` are bitwise equal on all of them."""
     import torch
     import torch.distributed as dist
     flat = torch.cat([t.detach().flatten() for t in tensors])
     ref = flat.clone()
-    dist.broadcast(ref, src=0)
+    dist.broadcast(ref, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
     ok = torch.tensor([int(torch.equal(ref, flat))], device=flat.device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # one verdict for all, so every rank fails together
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # one verdict for all, so every rank fails together
     return bool(ok.item())
 
 

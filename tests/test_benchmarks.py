@@ -40,7 +40,7 @@ def test_send_recv_benchmark(tmp_path):
 @pytest.mark.slow
 def test_ddp_step_benchmark(tmp_path):
     out, png = tmp_path / "ddp.json", tmp_path / "ddp.png"
-    args = ["--n-layer", 2, "--n-embd", 64, "--seq-len", 64, "--batch-size", 4, "--stdlib-files", 5, "--steps", 3,
+    args = ["--n-layer", 2, "--n-embd", 64, "--seq-len", 64, "--batch-size", 4, "--stdlib-files", 5, "--steps", 2,
             "--warmup", 1, "--json", out, "--plot", png]
     res = launch.torchrun("benchmarks/ddp_step.py", 2, args, timeout=240)
     assert res.returncode == 0 and res.ok_line(), res.output

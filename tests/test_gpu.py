@@ -49,6 +49,13 @@ def test_two_ranks_share_one_gpu_over_gloo(name):
         assert "2 ranks share 1 GPU(s) over gloo" in res.output, res.output
 
 
+def test_compile_with_inductor():
+    """05 --compile with its default backend, inductor (on CPU the suite compiles with aot_eager: compile_worker)."""
+    res = launch.torchrun("05_manual_ddp_gpt2.py", 1, ARGS["05_manual_ddp_gpt2.py"] + ["--compile"], timeout=600,
+                          device="cuda")
+    assert res.returncode == 0 and res.ok_line() and "compiling 2 blocks" in res.output, res.output
+
+
 def test_auto_with_fewer_gpus_than_ranks_runs_on_cpu_and_says_why():
     res = launch.torchrun("03_all_reduce.py", N_GPUS + 1, [], timeout=300, device="auto")
     assert res.returncode == 0 and res.ok_line() and "device=cpu" in res.output, res.output

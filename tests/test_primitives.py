@@ -15,8 +15,8 @@ SCRIPTS = {
 }
 
 
-@pytest.mark.parametrize("name,nproc", [("01_send_recv.py", 2), ("02_broadcast.py", 3), ("03_all_reduce.py", 3),
-                                        ("04_sampler.py", 3)])
+@pytest.mark.parametrize("name,nproc", [("01_send_recv.py", 2), ("02_broadcast.py", 3), ("03_all_reduce.py", 2),
+                                        ("04_sampler.py", 2)])
 def test_script_checks_itself(name, nproc):
     """Each script on 2 or 3 ranks (its errors and plain-python message: test_reliability's table)."""
     res = launch.torchrun(name, nproc, SCRIPTS[name], timeout=120)
@@ -28,9 +28,9 @@ def test_script_checks_itself(name, nproc):
             assert f"[rank {r}/{nproc}]" in res.output, res.output
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_ring_all_reduce_matches_library(nproc):
-    res = launch.run(launch.torchrun_cmd("tests/workers/ring_worker.py", nproc), timeout=240)
+def test_ring_all_reduce_matches_library():
+    """3 ranks: chunks of unequal size, and sums of three terms whose order matters (2 ranks: 03's own run)."""
+    res = launch.run(launch.torchrun_cmd("tests/workers/ring_worker.py", 3), timeout=240)
     assert not res.timed_out and res.returncode == 0, res.output
     assert res.ok_line(), res.output
 

@@ -133,7 +133,8 @@ def test_one_run_per_out_and_a_killed_run_leaves_no_stale_lock(tmp_path):
     first = start("05_manual_ddp_gpt2.py", TINY + ["--max-steps", 400, "--ckpt-every", 4,
                                                    "--profile", tmp_path / "prof"], out)
     try:
-        assert "world_size=1" in wait_for(first, "saved")  # it holds the lock and has written a checkpoint
+        # It holds the lock, has written checkpoints, and (at step 5, before checkpoint-8) its trace.
+        assert "world_size=1" in wait_for(first, "checkpoint-8")
         second = launch.python("05_manual_ddp_gpt2.py", TINY + ["--max-steps", 8, "--out", out], timeout=120)
         errors = [ln for ln in second.output.splitlines() if ln.startswith("error:")]
         assert second.returncode == 2 and len(errors) == 1 and "is in use by another run" in errors[0], second.output
@@ -142,6 +143,7 @@ def test_one_run_per_out_and_a_killed_run_leaves_no_stale_lock(tmp_path):
         os.killpg(first.pid, signal.SIGKILL)  # a crash: no clean exit, no chance to release anything
         first.wait()
     assert (tmp_path / "prof" / "trace_rank0.json").stat().st_size > 0
-    restart = launch.python("05_manual_ddp_gpt2.py", TINY + ["--max-steps", 8, "--sample-tokens", 0, "--out", out],
-                            timeout=120)
+    # It resumes (bf16 autocast and ManualDDP's hand-written bf16 hook from here on: their run to the end).
+    restart = launch.python("05_manual_ddp_gpt2.py", TINY + ["--max-steps", 8, "--sample-tokens", 0, "--out", out,
+                                                             "--precision", "bf16", "--comm-hook", "bf16"], timeout=120)
     assert restart.returncode == 0 and "resumed from" in restart.output and restart.ok_line(), restart.output

@@ -10,7 +10,6 @@ import torch
 import launch
 
 SCRIPT = "06_torch_ddp_resnet.py"
-FAKE = ["--dataset", "fake", "--fake-size", "32", "--batch-size", "8", "--epochs", "2"]
 
 
 def write_idx(path, array):
@@ -24,7 +23,7 @@ def mnist_dir(tmp_path):
     raw = tmp_path / "MNIST" / "raw"
     raw.mkdir(parents=True)
     rng = np.random.default_rng(0)
-    for prefix, n in (("train", 48), ("t10k", 50)):
+    for prefix, n in (("train", 32), ("t10k", 33)):
         write_idx(raw / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)))
         write_idx(raw / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n))
     return tmp_path
@@ -35,20 +34,18 @@ def test_ddp_equals_per_shard_reference():
     assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output
 
 
-def test_mnist_from_idx_files_with_padded_validation(mnist_dir):
-    # 50 validation images on 3 ranks: the sampler pads to 51; the padded duplicate must not be counted.
-    res = launch.torchrun(SCRIPT, 3, ["--data-dir", mnist_dir, "--batch-size", "8", "--epochs", "1"], timeout=180)
-    assert res.returncode == 0 and res.ok_line(), res.output
-    assert "data: mnist, 48 train / 50 val samples, 2 steps per epoch per rank" in res.output, res.output
-    assert re.search(r"val acc [\d.]+ \(50 samples\)", res.output), res.output
-
-
 @pytest.mark.slow
-def test_crash_restart_damage_and_continue(tmp_path, script):
-    whole = launch.torchrun(SCRIPT, 2, FAKE + ["--out", tmp_path / "whole"], timeout=180)
-    assert whole.returncode == 0 and whole.ok_line(), whole.output
-    # 32 samples / 2 ranks / batch 8 = 2 steps per epoch: step 3 is inside epoch 2, after epoch 1's checkpoint.
-    crashed = launch.torchrun(SCRIPT, 2, FAKE + ["--out", tmp_path / "crashed", "--crash-at-step", "3"],
+def test_spawn_crash_restart_damage_and_continue(tmp_path, mnist_dir, script):
+    args = ["--data-dir", mnist_dir, "--batch-size", "8", "--epochs", "2"]
+    # The uninterrupted run without torchrun (--nproc 2 spawns the ranks), on the MNIST files: 33 validation
+    # images on 2 ranks, which the sampler pads to 34; the padded duplicate must not be counted.
+    whole = launch.python(SCRIPT, args + ["--nproc", "2", "--out", tmp_path / "whole"], timeout=180)
+    assert whole.returncode == 0 and whole.ok_line() and "world_size=2" in whole.output, whole.output
+    assert "data: mnist, 32 train / 33 val samples, 2 steps per epoch per rank" in whole.output, whole.output
+    assert re.search(r"val acc [\d.]+ \(33 samples\)", whole.output), whole.output
+    # Under torchrun, the last rank SIGKILLs itself at step 3, inside epoch 2 (2 steps an epoch), after epoch 1's
+    # checkpoint; torchrun restarts both, they resume, and end where the spawned run ended, bit for bit.
+    crashed = launch.torchrun(SCRIPT, 2, args + ["--out", tmp_path / "crashed", "--crash-at-step", "3"],
                               torchrun_args=["--max-restarts=1"], timeout=240)
     assert crashed.returncode == 0 and crashed.ok_line(), crashed.output
     assert "SIGKILL to myself" in crashed.output and "after epoch 1" in crashed.output, crashed.output
@@ -66,23 +63,19 @@ def test_crash_restart_damage_and_continue(tmp_path, script):
     # The newest checkpoint is damaged: the run resumes from the one before (kept), and continues a finished run
     # with more epochs, the one-cycle schedule rebuilt for the new total.
     (out / "checkpoint.pt").write_bytes((out / "checkpoint.pt").read_bytes()[:1000])
-    more = launch.torchrun(SCRIPT, 2, FAKE + ["--epochs", "3", "--out", out], timeout=180)
+    more = launch.torchrun(SCRIPT, 2, args[:-1] + ["3", "--out", out], timeout=180)
     assert more.returncode == 0 and more.ok_line(), more.output
     assert "warning: skipped" in more.output and "after epoch 1" in more.output, more.output
     assert "4 -> 6 steps: the one-cycle schedule is rebuilt" in more.output, more.output
     assert len(list(out.glob("checkpoint.pt.damaged-*"))) == 1 and torch.load(out / "checkpoint.pt")["epoch"] == 3
 
 
-@pytest.mark.slow
-def test_spawn_without_torchrun():
-    res = launch.python(SCRIPT, FAKE + ["--epochs", "1", "--nproc", "2"], timeout=180)
-    assert res.returncode == 0 and res.ok_line() and "world_size=2" in res.output, res.output
-
-
-def test_plain_python_is_one_process_and_sync_bn_explains_itself():
-    res = launch.python(SCRIPT, FAKE + ["--epochs", "1", "--sync-bn"], timeout=180)
+def test_plain_python_is_one_process_and_sync_bn_explains_itself(mnist_dir):
+    """The quick tier's run of the MNIST loading path, too."""
+    res = launch.python(SCRIPT, ["--data-dir", mnist_dir, "--batch-size", "8", "--epochs", "1", "--sync-bn"],
+                        timeout=180)
     assert res.returncode == 0 and res.ok_line() and "world_size=1" in res.output, res.output
-    assert "CUDA-only" in res.output
+    assert "data: mnist, 32 train / 33 val samples" in res.output and "CUDA-only" in res.output, res.output
 
 
 def test_in_memory_batches_equal_the_dataloaders(script):

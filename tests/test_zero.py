@@ -1,4 +1,5 @@
-"""07: ZeroDDP against PyTorch's DDP + AdamW and its ZeroRedundancyOptimizer, and the script end to end (gloo)."""
+"""07: the script end to end (gloo) and its flags. ZeroDDP against PyTorch's DDP + AdamW and its
+ZeroRedundancyOptimizer (tests/workers/zero_worker.py) runs in test_fsdp.py's 3-rank launch."""
 
 import pytest
 
@@ -8,13 +9,6 @@ from conftest import load_script
 SCRIPT = "07_zero.py"
 # Small: a 0.93M-parameter GPT-2 whose optimizer state (7 MiB) still shows next to its activations.
 TINY = ["--n-layer", "2", "--n-embd", "128", "--seq-len", "64", "--steps", "2", "--bucket-cap-mb", "0.25"]
-
-
-def test_zero_equals_ddp_and_zero_redundancy_optimizer():
-    # 3 ranks: a parameter with fewer elements than ranks, and gradient sums whose order matters in the last bit.
-    res = launch.run(launch.torchrun_cmd("tests/workers/zero_worker.py", 3), timeout=180)
-    assert not res.timed_out and res.returncode == 0, res.output
-    assert res.ok_line(), res.output
 
 
 @pytest.mark.parametrize("argv, says", [

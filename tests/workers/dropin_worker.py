@@ -1,4 +1,5 @@
-"""Run under torchrun (2 or 3 ranks): code written for PyTorch's DDP runs unchanged on ManualDDP, same results.
+"""Run under torchrun (3 or more ranks; the suite runs 4): code written for PyTorch's DDP runs unchanged on
+ManualDDP, with the same results.
 
 Each check trains ManualDDP and torch.nn.parallel.DistributedDataParallel side by side on the same data and
 compares them bit for bit: the nanoGPT accumulation pattern (counting collectives), BatchNorm buffers, a subgroup,
@@ -27,6 +28,7 @@ from conftest import identical_across_ranks, load_script  # noqa: E402
 lesson = load_script("05_manual_ddp_gpt2.py")
 ManualDDP, DDP = lesson.ManualDDP, nn.parallel.DistributedDataParallel
 RANK, WORLD = 0, 1
+EXACT = None  # the sizes check_exact covered
 
 
 class Net(nn.Module):
@@ -133,9 +135,9 @@ def check_buffers():
 
 
 def check_subgroup():
-    """process_group: ranks 1 and 2 of 3 train together; rank 1 is the group's 'rank 0'."""
+    """process_group: ranks 1 and 2 train together, the others stay out; rank 1 is the group's 'rank 0'."""
     group = dist.new_group([1, 2])
-    if RANK == 0:
+    if RANK not in (1, 2):
         return
     torch.manual_seed(RANK)  # different replicas: the group's first member (global rank 1) must win
     base = Net()
@@ -186,6 +188,20 @@ def check_comm_hooks():
     plain = results["allreduce_hookFalse"]
     for name in ("fp16_compress_hookFalse", "bf16_compress_hookFalse"):
         assert any(not torch.equal(p, q) for p, q in zip(plain.parameters(), results[name].parameters())), name
+    # Between 2 ranks halving is exact, so dividing before the cast (ours) or after the sum (PyTorch's) rounds the
+    # same: bit for bit, on a group of two (its hook state and DDP's process_group both that group).
+    two = dist.new_group([0, 1])
+    if RANK < 2:
+        torch.manual_seed(2)
+        (ours, opt), (theirs, topt) = pair(Net(d=40), bucket_cap_mb=0.004, process_group=two)
+        ours.register_comm_hook(two, lesson.bf16_compress_hook)
+        theirs.register_comm_hook(two, default_hooks.bf16_compress_hook)
+        for step in range(5):
+            for model, o in ((ours, opt), (theirs, topt)):
+                step_of(model, step, RANK)
+                o.step()
+                o.zero_grad()
+            assert_same(ours, theirs, f"bf16_compress_hook on a group of 2, step {step}")
 
 
 def check_join(divide_by_initial=True):
@@ -436,12 +452,12 @@ def check_constructor():
     assert c.calls == ["all_reduce"] * len(again.buckets), c.calls
 
 
-def check_exact_on_3():
-    """exact_worker's bit-for-bit checks, here too when 3 ranks run (4 ranks: their own launch)."""
-    if WORLD == 3:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import exact_worker
-        exact_worker.check_exact()
+def check_exact():
+    """exact_worker's bit-for-bit checks, in this launch too: on every rank, and on a group of 3 within 4."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import exact_worker
+    global EXACT
+    EXACT = exact_worker.check_every_size()
 
 
 def main():
@@ -455,14 +471,15 @@ def main():
                         ("ready_twice", check_ready_twice), ("unused", check_unused_skip_and_delay),
                         ("subgroup", check_subgroup), ("single_process", check_training),
                         ("bucket_sizes", check_bucket_layout), ("no_sync", check_no_sync),
-                        ("bypassed", check_forward_bypassed), ("exact", check_exact_on_3)]:
-        if (only == [""] or name in only) and (name != "subgroup" or WORLD == 3):
+                        ("bypassed", check_forward_bypassed), ("exact", check_exact)]:
+        if (only == [""] or name in only) and (name != "subgroup" or WORLD >= 3):
             if RANK == 0:
                 print("check", name, flush=True)
             check()
     dist.barrier()
     if RANK == 0:
-        print(f"OK ManualDDP runs PyTorch-DDP code unchanged, with DDP's results, on {WORLD} ranks", flush=True)
+        exact = f"; bit-identical at every step on {EXACT} ranks" if EXACT else ""
+        print(f"OK ManualDDP runs PyTorch-DDP code unchanged, with DDP's results, on {WORLD} ranks{exact}", flush=True)
     dist.destroy_process_group()
 
 

@@ -1,4 +1,5 @@
-"""Run under torchrun (2-4 ranks): ManualDDP's weights are bit-identical to PyTorch's DDP after EVERY step.
+"""Run under torchrun (2+ ranks): ManualDDP's weights are bit-identical to PyTorch's DDP after EVERY step.
+(The suite runs these checks inside dropin_worker's 4-rank launch; the GPU tier runs this file.)
 
 TEST_DEVICE=cuda (the GPU tier) runs the same on CUDA tensors, ranks sharing GPUs over gloo unless
 TEST_BACKEND=nccl; deterministic kernels there (the embedding's backward otherwise adds with atomics).
@@ -62,15 +63,15 @@ def loss_of(model, data, **kw):
     return F.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten())
 
 
-def train_both(make, steps=5, accum=1, **kw):
+def train_both(make, steps=4, accum=1, group=None, **kw):
     """Train ManualDDP and DDP from the same weights on the same data; compare bit for bit after every step."""
     torch.manual_seed(0)
     base = make().to(DEVICE)
     if DEVICE.type == "cuda":
         kw = dict(kw, device_ids=[DEVICE.index])
-    ours, theirs = ManualDDP(copy.deepcopy(base), **kw), DDP(copy.deepcopy(base), **kw)
+    ours, theirs = (wrapper(copy.deepcopy(base), process_group=group, **kw) for wrapper in (ManualDDP, DDP))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
-    rank = dist.get_rank()
+    rank = dist.get_rank(group)
     for step in range(steps):
         for model, opt in zip((ours, theirs), opts):
             for micro in range(accum):
@@ -80,25 +81,42 @@ def train_both(make, steps=5, accum=1, **kw):
             opt.zero_grad()
         for (name, a), b in zip(ours.module.named_parameters(), theirs.module.parameters()):
             assert torch.equal(a, b), f"{kw} step {step}: {name} differs by {(a - b).abs().max().item():.3g}"
-    assert identical_across_ranks(list(ours.parameters())), f"{kw}: ranks differ"
+    assert identical_across_ranks(list(ours.parameters()), group), f"{kw}: ranks differ"
     return ours
 
 
-def check_exact():
+def check_exact(group=None):
+    """Every case, on `group` (None: all ranks)."""
     layouts = {}
     for make in (OutOfOrder, gpt2):
         for kw in ({}, {"bucket_cap_mb": 0.01}, {"static_graph": True}, {"find_unused_parameters": True}):
-            ours = train_both(make, **kw)
+            ours = train_both(make, group=group, **kw)
             layouts[(make.__name__, tuple(kw.items()))] = ours.layout
-        train_both(make, accum=3, bucket_cap_mb=0.005)
-    ours = train_both(lambda: OutOfOrder(unused=True), find_unused_parameters=True, bucket_cap_mb=0.01)
+        train_both(make, accum=3, bucket_cap_mb=0.005, group=group)
+    ours = train_both(lambda: OutOfOrder(unused=True), find_unused_parameters=True, bucket_cap_mb=0.01, group=group)
     assert ours.module.unused.weight.grad is None
     if DEVICE.type == "cuda":  # bf16 autocast, as GPU users train: still bit-identical
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            train_both(gpt2)
+            train_both(gpt2, group=group)
     n = len(list(OutOfOrder().parameters())) - 1  # tied: one tensor
     # The rebuilt order is not reversed registration order for this model: the point of observing it.
     assert layouts[("OutOfOrder", ())] != [list(range(n))[::-1]], layouts[("OutOfOrder", ())]
+
+
+def check_every_size():
+    """On all ranks, and with 4 on a group of 3 and on two pairs side by side as well (a DDP over a group runs
+    exactly as one over a world of that size): one launch of 4 covers sums of 2, 3 and 4 terms. Returns what it
+    covered, for the OK line."""
+    check_exact()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != 4:
+        return str(world)
+    three = dist.new_group([0, 1, 2])
+    if rank < 3:
+        check_exact(three)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in one order
+    check_exact(pairs[rank // 2])
+    return "4, a group of 3 and 2"
 
 
 def main():
@@ -108,10 +126,10 @@ def main():
         torch.cuda.set_device(DEVICE)
         torch.use_deterministic_algorithms(True)
     dist.init_process_group(os.environ.get("TEST_BACKEND", "gloo"))
-    check_exact()
+    sizes = check_every_size()
     dist.barrier()
     if dist.get_rank() == 0:
-        print(f"OK ManualDDP bit-identical to DDP at every step on {dist.get_world_size()} ranks", flush=True)
+        print(f"OK ManualDDP bit-identical to DDP at every step on {sizes} ranks", flush=True)
     dist.destroy_process_group()
 
 

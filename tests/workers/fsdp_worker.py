@@ -7,7 +7,7 @@ for bit (fp32, bf16 compute, bf16 with fp32 reduction, gradient accumulation wit
 float tolerance, the bytes each rank holds and sends, the units in flight, the order of launches, resuming from
 full state dicts, bad input. (Ranks hold identical full weights by construction: each element lives on one
 rank, and every rank gathers it from there.)
-Usage: torchrun --nproc_per_node=N tests/workers/fsdp_worker.py
+Usage: [ALSO_ZERO=1] torchrun --nproc_per_node=N tests/workers/fsdp_worker.py
 """
 
 import copy
@@ -337,9 +337,9 @@ def check_bad_input():
     return errors
 
 
-def main():
+def checks():
+    """Every check, on the default group (initialised by the caller); returns the OK line."""
     global RANK, WORLD
-    dist.init_process_group("gloo")
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
     check_shards()
     fp32 = check_training()
@@ -353,9 +353,22 @@ def main():
     check_resume()
     check_bad_input()
     dist.barrier()
-    if RANK == 0:
-        print(f"OK 08 == fully_shard bit for bit on {WORLD} ranks (fp32, bf16, accumulation, clipping, resume); "
-              f"DDP within {gap:.1e}; each rank holds {padded} of {numel} elements")
+    return (f"OK 08 == fully_shard bit for bit on {WORLD} ranks (fp32, bf16, accumulation, clipping, resume); "
+            f"DDP within {gap:.1e}; each rank holds {padded} of {numel} elements")
+
+
+def main():
+    """This file alone; with ALSO_ZERO=1 zero_worker's checks first, in the same launch (the suite's way: one
+    launch, one import of torch per rank, for the two lessons that shard)."""
+    dist.init_process_group("gloo")
+    said = []
+    if os.environ.get("ALSO_ZERO") == "1":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import zero_worker
+        said.append(zero_worker.checks())
+    said.append(checks())
+    if dist.get_rank() == 0:
+        print("\n".join(said), flush=True)
     dist.destroy_process_group()
 
 

@@ -1,4 +1,5 @@
-"""Run under torchrun (2-3 ranks): ZeroDDP stages 1 and 2 equal PyTorch's DDP + the same optimizer.
+"""Run under torchrun (2-3 ranks): ZeroDDP stages 1 and 2 equal PyTorch's DDP + the same optimizer. (The suite
+runs these checks inside fsdp_worker's 3-rank launch.)
 
 The model has a tied embedding/head, a frozen layer, odd sizes, a bias with fewer elements than ranks, a 0-dim
 parameter and a layer only one rank uses; buckets are tiny, so shards start and end inside tensors. Checked, with
@@ -302,9 +303,9 @@ def check_bad_input(base):
             assert says in str(e), (kwargs, e)
 
 
-def main():
+def checks():
+    """Every check, on the default group (initialised by the caller); returns the OK line."""
     global RANK, WORLD
-    dist.init_process_group("gloo")
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     base = Toy()
@@ -321,10 +322,16 @@ def main():
     for stage in (1, 2):
         check_checkpoints(base, stage)
     dist.barrier()
-    if RANK == 0:
-        print(f"OK ZeroDDP stages 1 and 2 == DDP + AdamW bit for bit on {WORLD} ranks "
-              f"({len(zeros[2].buckets)} buckets; tied, frozen, odd and tiny parameters); SGD too; stage 1 "
-              f"== ZeroRedundancyOptimizer; state and gradients 1/N; checkpoints resume both ways")
+    return (f"OK ZeroDDP stages 1 and 2 == DDP + AdamW bit for bit on {WORLD} ranks "
+            f"({len(zeros[2].buckets)} buckets; tied, frozen, odd and tiny parameters); SGD too; stage 1 "
+            f"== ZeroRedundancyOptimizer; state and gradients 1/N; checkpoints resume both ways")
+
+
+def main():
+    dist.init_process_group("gloo")
+    said = checks()
+    if dist.get_rank() == 0:
+        print(said, flush=True)
     dist.destroy_process_group()
 
 
