@@ -957,8 +957,10 @@ def train(args, device, local_rank):
                 # attribute no_sync() sets; written directly, as nanoGPT does, it reads as the schedule it is.)
                 if args.impl != "naive":
                     ddp.require_backward_grad_sync = micro == args.grad_accum - 1
+                # use_cache=False: training reads no KV cache; Hugging Face would build one every forward (and
+                # under --compile, each block would recompile on the state of its own cache layer).
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    logits = ddp(input_ids=batch[:, :-1]).logits
+                    logits = ddp(input_ids=batch[:, :-1], use_cache=False).logits
                 loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
                 scaler.scale(loss / args.grad_accum).backward()
                 step_loss += loss.detach() / args.grad_accum

@@ -346,7 +346,7 @@ def tokens(step, args, device):
 
 
 def loss_of(model, x):
-    return F.cross_entropy(model(input_ids=x[:, :-1]).logits.flatten(0, 1), x[:, 1:].flatten())
+    return F.cross_entropy(model(input_ids=x[:, :-1], use_cache=False).logits.flatten(0, 1), x[:, 1:].flatten())
 
 
 def held_bytes(*tensor_lists):

@@ -502,7 +502,7 @@ def train(impl, args, device, text, zero, ckpt=None):
                     net.set_requires_gradient_sync(last)
                 with contextlib.nullcontext() if fsdp or last else net.no_sync():
                     x = batch(text, step, micro, args, device)
-                    loss = net(input_ids=x, labels=x).loss
+                    loss = net(input_ids=x, labels=x, use_cache=False).loss
                     (loss / args.grad_accum).backward()
             if args.clip > 0:
                 norm = (clip_grad_norm_ if impl == "ours" else nn.utils.clip_grad_norm_)(model.parameters(), args.clip)

@@ -82,7 +82,7 @@ class Runner:
 
     def step(self, batch, probe=False):
         with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-            logits = self.wrapped(input_ids=batch[:, :-1]).logits
+            logits = self.wrapped(input_ids=batch[:, :-1], use_cache=False).logits
         nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
         if self.impl == "naive":
             lesson.average_gradients(self.model, dist.get_world_size())

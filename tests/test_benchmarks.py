@@ -1,6 +1,7 @@
 """benchmarks/: each runs under torchrun and writes the JSON and PNG it promises (their speed is not asserted)."""
 
 import json
+import sys
 
 import pytest
 
@@ -51,12 +52,24 @@ def test_ddp_step_benchmark(tmp_path):
     assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 for r in impls.values())
     # Exact, not timed: ManualDDP's gradients are views of its buckets (one copy, like no DDP at all), PyTorch's
     # DDP (gradient_as_bucket_view=False) holds two; the buckets hold every gradient once; and the peak from
-    # allocation records ranks no DDP below PyTorch's DDP and ManualDDP no higher than it.
+    # allocation records ranks no DDP below either DDP. The peak of either DDP moves by one set of gradients
+    # between identical runs (whether gloo has finished a bucket before backward frees an activation: measured
+    # 4.99 or 5.45 MiB for both here, at random), so ManualDDP's is compared with PyTorch's within that.
     held = {k: v["grad_buffers_mb"] for k, v in impls.items()}
     assert held["manual"] == pytest.approx(held["none"]) and held["torch"] == pytest.approx(2 * held["none"])
     assert sum(report["buckets_mb"]) == pytest.approx(held["none"])
-    assert impls["none"]["peak_mem_mb"] < impls["torch"]["peak_mem_mb"]
-    # (ManualDDP's bookkeeping, the rebuild's order and the used-map tensors, is a few hundred bytes.)
-    assert impls["manual"]["peak_mem_mb"] <= impls["torch"]["peak_mem_mb"] + 0.01
+    assert impls["none"]["peak_mem_mb"] < min(impls["torch"]["peak_mem_mb"], impls["manual"]["peak_mem_mb"])
+    assert impls["manual"]["peak_mem_mb"] <= impls["torch"]["peak_mem_mb"] + held["none"] + 0.01
     assert impls["none"]["allreduce_mb_per_step"] == 0 and impls["manual"]["allreduce_mb_per_step"] == held["none"]
     assert png.read_bytes()[:8] == PNG
+
+
+def test_overlap_reader_says_what_is_wrong_in_one_line(tmp_path):
+    """benchmarks/overlap.py on a good trace: test_reliability's --profile run. Here its errors (no torch, fast)."""
+    (tmp_path / "empty.json").write_text('{"traceEvents": []}')
+    for path, says in ((tmp_path / "none.json", "not a readable profiler trace"),
+                       (tmp_path / "empty.json", "no profiled step with a backward")):
+        res = launch.run([sys.executable, "benchmarks/overlap.py", path], timeout=60)
+        lines = res.output.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {path}: "), res.output
+        assert says in lines[0], res.output

@@ -129,8 +129,8 @@ def wait_for(proc, text, timeout=120):
 
 def test_one_run_per_out_and_a_killed_run_leaves_no_stale_lock(tmp_path):
     out = tmp_path / "out"
-    # A plain `python` run (a group of one), with a profiler trace of its steps 3-5 on the way.
-    first = start("05_manual_ddp_gpt2.py", TINY + ["--max-steps", 400, "--ckpt-every", 4,
+    # A plain `python` run (a group of one, small buckets), with a profiler trace of its steps 3-5 on the way.
+    first = start("05_manual_ddp_gpt2.py", TINY + ["--max-steps", 400, "--ckpt-every", 4, "--bucket-cap-mb", 0.05,
                                                    "--profile", tmp_path / "prof"], out)
     try:
         # It holds the lock, has written checkpoints, and (at step 5, before checkpoint-8) its trace.
@@ -142,7 +142,9 @@ def test_one_run_per_out_and_a_killed_run_leaves_no_stale_lock(tmp_path):
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # a crash: no clean exit, no chance to release anything
         first.wait()
-    assert (tmp_path / "prof" / "trace_rank0.json").stat().st_size > 0
+    # The trace shows buckets all-reduced while backward still had work to do (benchmarks/overlap.py reads it).
+    seen = launch.run([sys.executable, "benchmarks/overlap.py", tmp_path / "prof" / "trace_rank0.json"], timeout=60)
+    assert seen.returncode == 0 and "ran and finished while backward still had work to do" in seen.output, seen.output
     # It resumes (bf16 autocast and ManualDDP's hand-written bf16 hook from here on: their run to the end).
     restart = launch.python("05_manual_ddp_gpt2.py", TINY + ["--max-steps", 8, "--sample-tokens", 0, "--out", out,
                                                              "--precision", "bf16", "--comm-hook", "bf16"], timeout=120)

@@ -46,7 +46,7 @@ def train(base, impl, compiled, args, steps=2, events=None):
             model.transformer.h[0].register_forward_pre_hook(functools.partial(watch_input, events))
             events.clear()
         data = batch(step)
-        loss = F.cross_entropy(ddp(input_ids=data[:, :-1]).logits.flatten(0, 1), data[:, 1:].flatten())
+        loss = F.cross_entropy(ddp(input_ids=data[:, :-1], use_cache=False).logits.flatten(0, 1), data[:, 1:].flatten())
         loss.backward()
         if impl == "naive":
             lesson.average_gradients(model, dist.get_world_size())

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -69,13 +70,15 @@ def loss_of(model, x):
     return F.cross_entropy(model(x[:, :-1]).float().flatten(0, 1), x[:, 1:].flatten())
 
 
-def shard_both(base, **mp):
-    """Two copies of base: one sharded by ours, one by PyTorch's fully_shard, block by block, then the root."""
+def shard_both(base, group=None, **mp):
+    """Two copies of base: one sharded by ours, one by PyTorch's fully_shard, block by block, then the root (over
+    `group`, default all ranks: ours takes the group, fully_shard a mesh made from it)."""
     ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    mesh = DeviceMesh.from_group(group, "cpu") if group is not None else None
     for m in [*ours.blocks, ours]:
-        fsdp.fully_shard(m, **mp)
+        fsdp.fully_shard(m, process_group=group, **mp)
     for m in [*theirs.blocks, theirs]:
-        torch_fully_shard(m, mp_policy=MixedPrecisionPolicy(**mp))
+        torch_fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(**mp))
     return ours, theirs
 
 
@@ -130,10 +133,11 @@ def check_shards():
     assert (RANK == 0) == (not empty), empty  # gate (1 row) is empty on ranks > 0; pair (2 rows) on rank 2
 
 
-def check_training(steps=3, accum=1, clip=None, **mp):
+def check_training(steps=3, accum=1, clip=None, group=None, **mp):
     """Gradients after every backward and weights after AdamW (weight decay on): bit for bit fully_shard's."""
     torch.manual_seed(1)
-    ours, theirs = shard_both(Toy(), **mp)
+    ours, theirs = shard_both(Toy(), group, **mp)
+    rank = dist.get_rank(group)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
     for step in range(steps):
         for micro in range(accum):
@@ -141,8 +145,8 @@ def check_training(steps=3, accum=1, clip=None, **mp):
             for m in (ours, theirs):
                 m.set_requires_gradient_sync(last)
             with Counted() as counted:
-                (loss_of(ours, data(step, RANK, micro)) / accum).backward()
-            (loss_of(theirs, data(step, RANK, micro)) / accum).backward()
+                (loss_of(ours, data(step, rank, micro)) / accum).backward()
+            (loss_of(theirs, data(step, rank, micro)) / accum).backward()
             reduced = [c for c in counted.calls if c != "all_gather_single"]
             if last:  # one reduce per unit (the root's and each block's), nothing before the last micro-batch
                 assert len(reduced) == len(fsdp._units(ours)), counted.calls
@@ -346,6 +350,9 @@ def checks():
     check_training(accum=3, clip=0.3)
     check_training(param_dtype=torch.bfloat16)
     check_training(accum=2, clip=0.3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    pair = dist.new_group([0, 1])  # and fp32 on 2 ranks, a pair within this launch (the sums of two terms)
+    if RANK < 2:
+        check_training(accum=2, group=pair)
     gap = check_against_ddp(fp32)
     check_clip_against_full_model()
     padded, numel = check_memory_and_traffic()
@@ -353,7 +360,8 @@ def checks():
     check_resume()
     check_bad_input()
     dist.barrier()
-    return (f"OK 08 == fully_shard bit for bit on {WORLD} ranks (fp32, bf16, accumulation, clipping, resume); "
+    return (f"OK 08 == fully_shard bit for bit on {WORLD} ranks (fp32, bf16, accumulation, clipping, resume) and "
+            f"on a pair (fp32, accumulation); "
             f"DDP within {gap:.1e}; each rank holds {padded} of {numel} elements")
 
 
