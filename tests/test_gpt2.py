@@ -185,6 +185,7 @@ def test_dead_peer_is_one_clear_line():
     assert errors[0].startswith("[rank 0/2] error: lost a peer") and "Traceback" not in survivor.output, survivor.output
 
 
+@pytest.mark.slow
 def test_compile_keeps_losses_and_overlap():
     res = launch.run(launch.torchrun_cmd("tests/workers/compile_worker.py", 2), timeout=240)
     assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output

@@ -46,6 +46,7 @@ def test_prints_every_form():
         assert f"export {var}=" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["static", "c10d"])
 def test_printed_commands_run_on_two_loopback_nodes(form):
     out = sh("--nodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",

@@ -127,6 +127,7 @@ def wait_for(proc, text, timeout=120):
     pytest.fail(f"never saw {text!r}: {''.join(seen)}")
 
 
+@pytest.mark.slow
 def test_one_run_per_out_and_a_killed_run_leaves_no_stale_lock(tmp_path):
     out = tmp_path / "out"
     # A plain `python` run (a group of one, small buckets), with a profiler trace of its steps 3-5 on the way.

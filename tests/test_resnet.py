@@ -70,6 +70,7 @@ def test_spawn_crash_restart_damage_and_continue(tmp_path, mnist_dir, script):
     assert len(list(out.glob("checkpoint.pt.damaged-*"))) == 1 and torch.load(out / "checkpoint.pt")["epoch"] == 3
 
 
+@pytest.mark.slow
 def test_plain_python_is_one_process_and_sync_bn_explains_itself(mnist_dir):
     """The quick tier's run of the MNIST loading path, too."""
     res = launch.python(SCRIPT, ["--data-dir", mnist_dir, "--batch-size", "8", "--epochs", "1", "--sync-bn"],

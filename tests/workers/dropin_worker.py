@@ -157,7 +157,7 @@ def check_comm_hooks():
     """PyTorch's own hooks run unchanged on ManualDDP; ours (05's bf16_compress_hook) equals PyTorch's.
 
     (PowerSGD is not among them here: on gloo it deadlocks with PyTorch's own DDP too, because it issues its second
-    all-reduce from the completion callback of the first. tests/test_gpu.py runs it on NCCL.)"""
+    all-reduce from the completion callback of the first. It needs NCCL and 2 GPUs: not yet tested here.)"""
     hooks = [(None, default_hooks.allreduce_hook), (None, default_hooks.fp16_compress_hook),
              (None, default_hooks.bf16_compress_hook)]
     results = {}
