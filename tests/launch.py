@@ -162,3 +162,14 @@ def ranks(script, nproc, args=(), timeout=120, device="cpu", cwds=None, **env):
 def python(script, args=(), timeout=120, device="cpu", **env):
     """Run ``script`` as one plain process (no torchrun)."""
     return run([sys.executable, str(REPO / script), *with_device(args, device)], timeout, env=make_env(**env))
+
+
+def forked_cases(runs, folder, timeout=300):
+    """Run tests/workers/usage_worker.py on ``runs`` ((script, argv, as, env) each, see its docstring): one import,
+    a forked child per case. Returns [[exit code, output]] in the order of ``runs``."""
+    import json
+    cases, result = Path(folder) / "cases.json", Path(folder) / "result.json"
+    cases.write_text(json.dumps([(script, [*map(str, argv)], how, env) for script, argv, how, env in runs]))
+    res = run([sys.executable, "tests/workers/usage_worker.py", str(cases), str(result)], timeout)
+    assert not res.timed_out and res.returncode == 0, res.output
+    return json.loads(result.read_text())

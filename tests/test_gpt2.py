@@ -4,9 +4,7 @@ Each launch of 05 imports transformers (several seconds of CPU per rank), so eac
 as few launches as it can: train, crash, restart, damage a checkpoint, continue, resume the wrong model.
 """
 
-import json
 import signal
-import sys
 
 import pytest
 import torch
@@ -137,14 +135,9 @@ def test_pretrained_llama_on_local_files(tiny_models, tmp_path):
 def check_one_line_errors(tmp_path, cases):
     """Run 05 as one process per case (forked after one import, tests/workers/usage_worker.py): each must stop with
     exit 2 and one error line that contains the given text, no traceback. Returns the error lines."""
-    runs = [(SCRIPT, [*TINY, *map(str, argv), "--device", "cpu"], "alone", {}) for argv, _ in cases]
-    table = tmp_path / "cases.json"
-    table.write_text(json.dumps(runs))
-    res = launch.run([sys.executable, "tests/workers/usage_worker.py", str(table), str(tmp_path / "r.json")],
-                     timeout=240)
-    assert res.returncode == 0, res.output
+    runs = [(SCRIPT, [*TINY, *argv, "--device", "cpu"], "alone", {}) for argv, _ in cases]
     found = []
-    for (argv, message), (code, output) in zip(cases, json.loads((tmp_path / "r.json").read_text())):
+    for (argv, message), (code, output) in zip(cases, launch.forked_cases(runs, tmp_path, timeout=240)):
         errors = [ln for ln in output.splitlines() if ln.startswith("error:")]
         assert code == 2 and len(errors) == 1 and message in errors[0], (argv, code, output)
         assert "Traceback" not in output, output

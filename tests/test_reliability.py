@@ -4,7 +4,6 @@ The 05 stories that need a real job (a damaged checkpoint, a foreign one, a rank
 test_gpt2.py, 06's in test_resnet.py; here, the table of bad inputs for every script, and the --out lock.
 """
 
-import json
 import os
 import signal
 import struct
@@ -92,11 +91,7 @@ def test_bad_input_is_one_line_on_rank_0_exit_2_and_touches_nothing(tmp_path):
     before = tree(out)
     runs = [(script, [*map(str, argv), "--device", "cpu"], rank, PROXY)
             for script, argv, how, _ in cases for rank in (["0", "1"] if how == "both" else [how])]
-    (tmp_path / "cases.json").write_text(json.dumps(runs))
-    res = launch.run([sys.executable, "tests/workers/usage_worker.py", str(tmp_path / "cases.json"),
-                      str(tmp_path / "result.json")], timeout=300)
-    assert res.returncode == 0, res.output
-    results = dict(zip([(s, tuple(a), r) for s, a, r, _ in runs], json.loads((tmp_path / "result.json").read_text())))
+    results = dict(zip([(s, tuple(a), r) for s, a, r, _ in runs], launch.forked_cases(runs, tmp_path)))
     for script, argv, how, message in cases:
         argv = tuple([*map(str, argv), "--device", "cpu"])
         case = f"{script} {' '.join(argv)}"

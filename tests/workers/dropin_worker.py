@@ -70,6 +70,17 @@ def assert_same(a, b, what):
         assert torch.equal(x, y), f"{what}: {name} differs by {(x.float() - y.float()).abs().max().item():.3g}"
 
 
+def lockstep(pairs, steps, what):
+    """Train both of pair()'s (model, optimizer) side by side on this rank's data; bit for bit after every step."""
+    (ours, _), (theirs, _) = pairs
+    for step in range(steps):
+        for model, o in pairs:
+            step_of(model, step, RANK)
+            o.step()
+            o.zero_grad()
+        assert_same(ours, theirs, f"{what}, step {step}")
+
+
 class Counting:
     """Counts the collectives issued through torch.distributed while active."""
 
@@ -143,14 +154,9 @@ def check_subgroup():
     base = Net()
     rank1 = [p.detach().clone() for p in base.parameters()]
     dist.broadcast_object_list(rank1, src=1, group=group)
-    (ours, opt), (theirs, topt) = pair(base, process_group=group)
-    assert all(torch.equal(p, q) for p, q in zip(ours.module.parameters(), rank1))
-    for step in range(3):
-        for model, o in ((ours, opt), (theirs, topt)):
-            step_of(model, step, RANK)
-            o.step()
-            o.zero_grad()
-        assert_same(ours, theirs, f"subgroup, step {step}")
+    pairs = pair(base, process_group=group)
+    assert all(torch.equal(p, q) for p, q in zip(pairs[0][0].module.parameters(), rank1))
+    lockstep(pairs, 3, "subgroup")
 
 
 def check_comm_hooks():
@@ -193,15 +199,10 @@ def check_comm_hooks():
     two = dist.new_group([0, 1])
     if RANK < 2:
         torch.manual_seed(2)
-        (ours, opt), (theirs, topt) = pair(Net(d=40), bucket_cap_mb=0.004, process_group=two)
-        ours.register_comm_hook(two, lesson.bf16_compress_hook)
-        theirs.register_comm_hook(two, default_hooks.bf16_compress_hook)
-        for step in range(5):
-            for model, o in ((ours, opt), (theirs, topt)):
-                step_of(model, step, RANK)
-                o.step()
-                o.zero_grad()
-            assert_same(ours, theirs, f"bf16_compress_hook on a group of 2, step {step}")
+        pairs = pair(Net(d=40), bucket_cap_mb=0.004, process_group=two)
+        pairs[0][0].register_comm_hook(two, lesson.bf16_compress_hook)
+        pairs[1][0].register_comm_hook(two, default_hooks.bf16_compress_hook)
+        lockstep(pairs, 5, "bf16_compress_hook on a group of 2")
 
 
 def check_join(divide_by_initial=True):
@@ -238,13 +239,7 @@ def check_ready_twice():
     assert everyone.item() == WORLD
     # static_graph=True counts the hooks in the first iteration and waits for the last one: equal to DDP's.
     torch.manual_seed(4)
-    (ours, opt), (theirs, topt) = pair(Net(reentrant=True), static_graph=True)
-    for step in range(3):
-        for model, o in ((ours, opt), (theirs, topt)):
-            step_of(model, step, RANK)
-            o.step()
-            o.zero_grad()
-        assert_same(ours, theirs, f"static_graph with reentrant checkpointing, step {step}")
+    lockstep(pair(Net(reentrant=True), static_graph=True), 3, "static_graph with reentrant checkpointing")
 
 
 class TwoHeads(nn.Module):
