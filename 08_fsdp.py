@@ -206,12 +206,13 @@ class Unit:
         """Launch the all-gather of this unit's parameters (async) unless under way; with wait, install them."""
         if self.state == "sharded" and self.gather is None and self.full:
             buf = torch.empty(self.world * len(self.flat), dtype=self.param_dtype, device=self.device)
-            work = all_gather(buf, self.flat.to(self.param_dtype), group=self.group, async_op=True)
-            self.gather = buf, work  # the output to be, and the handle to wait on
+            works = [all_gather(buf, self.flat.to(self.param_dtype), group=self.group, async_op=True)]
+            self.gather = buf, works  # the output to be, and the handles to wait on
             self.root.note("all-gather", self, buf)
         if wait and self.gather is not None:
-            buf, work = self.gather
-            work.wait()
+            buf, works = self.gather
+            for work in works:
+                work.wait()
             for f, owners in zip(self.full, self.owners):
                 f.untyped_storage().resize_(f.numel() * f.element_size())
                 for m, k in owners:
@@ -262,10 +263,9 @@ class Unit:
         self.root.events.append(f"backward {self.name}")
 
     def post_backward(self, *unused):
-        if self.state == "reduced":
-            return
+        # Once per forward call (its graph's backward) and again from finish_backward: no "done" state, so that a
+        # second graph through this unit (two forwards, one backward) gathers the weights again and reduces.
         self.reshard()
-        self.state = "reduced"
         for i, f in enumerate(self.full):  # with sync off, PyTorch sums full gradients in reduce_dtype
             if f.grad is not None and (self.acc[i] is not None or not self.sync and f.grad.dtype != self.reduce_dtype):
                 self.acc[i] = f.grad.to(self.reduce_dtype) if self.acc[i] is None else self.acc[i] + f.grad
@@ -335,7 +335,8 @@ class Unit:
             self.finish_reduce()
         for u in _units(self.module):
             if u.gather is not None:  # a prefetch nobody used holds the weights from before the step: drop it
-                u.gather[1].wait()
+                for work in u.gather[1]:
+                    work.wait()
             u.gather, u.state = None, "sharded"
         self.queued = False
 

@@ -3,7 +3,8 @@
 A toy model with a tied embedding/head, frozen weights, odd sizes and parameters with fewer rows than ranks (the
 script checks a Hugging Face GPT-2 against fully_shard itself; tests/test_fsdp.py runs it). Checked: the shards
 (torch.chunk's, plain tensors, fully_shard's local tensors), the gradients and the weights after AdamW steps bit
-for bit (fp32, bf16 compute, bf16 with fp32 reduction, gradient accumulation with sync off, clipping), DDP within
+for bit (fp32, bf16 compute, bf16 with fp32 reduction, gradient accumulation with sync off, clipping, two
+forward calls before one backward, activation checkpointing), DDP within
 float tolerance, the bytes each rank holds and sends, the units in flight, the order of launches, resuming from
 full state dicts, bad input. (Ranks hold identical full weights by construction: each element lives on one
 rank, and every rank gathers it from there.)
@@ -46,8 +47,9 @@ class Block(nn.Module):
 
 
 class Toy(nn.Module):
-    def __init__(self, blocks=3):
+    def __init__(self, blocks=3, checkpoint=False):
         super().__init__()
+        self.checkpoint = checkpoint  # activation checkpointing around each block, as large FSDP jobs use it
         self.scale = nn.Parameter(torch.ones(D))  # the root's own, before its children: FSDP's order puts it last
         self.emb = nn.Embedding(VOCAB, D)
         self.blocks = nn.ModuleList(Block() for _ in range(blocks))
@@ -57,7 +59,10 @@ class Toy(nn.Module):
     def forward(self, x):
         h = self.emb(x)
         for b in self.blocks:
-            h = b(h)
+            if self.checkpoint:  # forward again inside backward; FSDP must gather the weights for it
+                h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False)
+            else:
+                h = b(h)
         return self.head(h * self.scale)
 
 
@@ -133,10 +138,12 @@ def check_shards():
     assert (RANK == 0) == (not empty), empty  # gate (1 row) is empty on ranks > 0; pair (2 rows) on rank 2
 
 
-def check_training(steps=3, accum=1, clip=None, group=None, **mp):
-    """Gradients after every backward and weights after AdamW (weight decay on): bit for bit fully_shard's."""
+def check_training(steps=3, accum=1, clip=None, group=None, forwards=1, checkpoint=False, **mp):
+    """Gradients after every backward and weights after AdamW (weight decay on): bit for bit fully_shard's.
+    forwards=2: two forward calls, then one backward of their summed loss (a unit's weights are gathered again for
+    the second graph; autograd sums both graphs' weight gradients before the unit reduces them, once)."""
     torch.manual_seed(1)
-    ours, theirs = shard_both(Toy(), group, **mp)
+    ours, theirs = shard_both(Toy(checkpoint=checkpoint), group, **mp)
     rank = dist.get_rank(group)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
     for step in range(steps):
@@ -145,8 +152,8 @@ def check_training(steps=3, accum=1, clip=None, group=None, **mp):
             for m in (ours, theirs):
                 m.set_requires_gradient_sync(last)
             with Counted() as counted:
-                (loss_of(ours, data(step, rank, micro)) / accum).backward()
-            (loss_of(theirs, data(step, rank, micro)) / accum).backward()
+                sum(loss_of(ours, data(step, rank, micro + 5 * k)) / accum for k in range(forwards)).backward()
+            sum(loss_of(theirs, data(step, rank, micro + 5 * k)) / accum for k in range(forwards)).backward()
             reduced = [c for c in counted.calls if c != "all_gather_single"]
             if last:  # one reduce per unit (the root's and each block's), nothing before the last micro-batch
                 assert len(reduced) == len(fsdp._units(ours)), counted.calls
@@ -349,6 +356,7 @@ def checks():
     fp32 = check_training()
     check_training(accum=3, clip=0.3)
     check_training(param_dtype=torch.bfloat16)
+    check_training(steps=2, forwards=2, checkpoint=True)
     check_training(accum=2, clip=0.3, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     pair = dist.new_group([0, 1])  # and fp32 on 2 ranks, a pair within this launch (the sums of two terms)
     if RANK < 2:
@@ -360,7 +368,8 @@ def checks():
     check_resume()
     check_bad_input()
     dist.barrier()
-    return (f"OK 08 == fully_shard bit for bit on {WORLD} ranks (fp32, bf16, accumulation, clipping, resume) and "
+    return (f"OK 08 == fully_shard bit for bit on {WORLD} ranks (fp32, bf16, accumulation, clipping, two forwards "
+            f"and activation checkpointing, resume) and "
             f"on a pair (fp32, accumulation); "
             f"DDP within {gap:.1e}; each rank holds {padded} of {numel} elements")
 
