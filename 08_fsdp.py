@@ -172,7 +172,7 @@ class Unit:
 
     def __init__(self, module, params, group, param_dtype, reduce_dtype, reshard_after_forward):
         self.module, self.group, self.world, self.rank = module, group, group.size(), group.rank()
-        self.gloo = dist.get_backend(group) == "gloo"  # see post_backward
+        self.gloo = dist.get_backend(group) == "gloo"  # see unshard and post_backward
         self.dtype, self.device = (params[0].dtype, params[0].device) if params else (None, None)  # None: a root
         self.root, self.name = None, type(module).__name__  # with no parameters of its own still runs the step
         self.param_dtype = param_dtype or self.dtype  # of the gathered parameters: all-gather and compute
@@ -206,7 +206,14 @@ class Unit:
         """Launch the all-gather of this unit's parameters (async) unless under way; with wait, install them."""
         if self.state == "sharded" and self.gather is None and self.full:
             buf = torch.empty(self.world * len(self.flat), dtype=self.param_dtype, device=self.device)
-            works = [all_gather(buf, self.flat.to(self.param_dtype), group=self.group, async_op=True)]
+            if self.gloo:  # gloo's all-gather works through a temporary copy of its output, alive while the next
+                # unit computes: N broadcasts, one from each rank into its row, send the same bytes in place.
+                rows = buf.view(self.world, -1)
+                rows[self.rank].copy_(self.flat)
+                works = [dist.broadcast(row, src=dist.get_global_rank(self.group, r), group=self.group,
+                                        async_op=True) for r, row in enumerate(rows)]
+            else:
+                works = [all_gather(buf, self.flat.to(self.param_dtype), group=self.group, async_op=True)]
             self.gather = buf, works  # the output to be, and the handles to wait on
             self.root.note("all-gather", self, buf)
         if wait and self.gather is not None:
