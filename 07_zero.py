@@ -18,6 +18,7 @@ Run it:
 """
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import functools
@@ -170,8 +171,9 @@ class ZeroDDP(nn.Module):
     ``optimizer_class(**defaults)``, any elementwise torch.optim class, steps this rank's shard only. ``params``
     takes what it would: the module's parameters, or dicts of parameter groups with their own options (default
     ``module.parameters()``); checkpoints number parameters in that order. Call it as the model, then
-    ``loss.backward()``, ``step()``, ``zero_grad()``. A backward overwrites the averaged gradients (no accumulation
-    over backward calls). A scheduler takes ``.optim``, the shard's optimizer.
+    ``loss.backward()``, ``step()``, ``zero_grad()``. Gradient accumulation as under DDP: backward calls before
+    ``zero_grad()`` add up (each reduced), or inside ``no_sync()`` autograd sums them locally (full size) until
+    a backward outside it reduces the sum. A scheduler takes ``.optim``, the shard's optimizer.
     """
 
     def __init__(self, module, optimizer_class, stage=2, process_group=None, bucket_cap_mb=None, params=None,
@@ -217,7 +219,8 @@ class ZeroDDP(nn.Module):
         self.pieces = [t for ps in pieces for t in ps]  # (piece, parameter number, offset), in the optimizer's order
         self.optim = optimizer_class([dict(g, params=[t[0] for t in ps]) for g, ps in zip(groups, pieces)],
                                      **defaults)
-        self._queued, self._next, self._inflight = False, 0, []
+        self._queued, self._next, self._inflight, self._accumulate = False, 0, [], False
+        self.require_backward_grad_sync = True  # DDP's name for it: off inside no_sync()
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b))
@@ -229,8 +232,19 @@ class ZeroDDP(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """As DDP's: backward reduces nothing inside it; autograd sums the full gradients on each rank."""
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = True
+
     def _on_grad_ready(self, bucket, p):
         """Runs inside backward, right after autograd accumulated p's gradient into p.grad."""
+        if not self.require_backward_grad_sync:
+            return
         if not self._queued:  # first gradient of this backward: finish once the whole backward is done
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -243,19 +257,32 @@ class ZeroDDP(nn.Module):
             b = self.buckets[self._next]
             full = b.grad if self.stage == 1 else torch.empty_like(b.flat)  # stage 2: a transient
             for p, view in zip(b.params, full[: b.used].split(b.numels)):
-                if p.grad is None:  # no gradient on this rank: it counts as zero in the mean
+                grad, view = p.grad, view.view_as(p)
+                if self._accumulate and self.stage == 1:  # DDP's .grad holds the last mean plus the new gradient
+                    grad = view if grad is None else grad.add_(view)
+                if grad is None:  # no gradient on this rank: it counts as zero in the mean
                     view.zero_()
                 else:  # divide BEFORE the sum, with DDP's own multiply: no fp16 overflow, and DDP's bits
-                    torch.mul(p.grad, 1 / self.world, out=view.view_as(p))
+                    torch.mul(grad, 1 / self.world, out=view)
                 p.grad = None  # autograd's copy is freed: the bucket has it now
             full[b.used :].zero_()
             if self.stage == 1:  # SUM of grad/N: every rank receives the whole mean
-                self._inflight.append(dist.all_reduce(full, group=self.group, async_op=True))
-            else:  # the all-reduce's first half: each rank receives the mean of its own shard only
-                self._inflight.append(reduce_scatter(b.grad, full, group=self.group, async_op=True))
+                self._inflight.append((dist.all_reduce(full, group=self.group, async_op=True), None, None))
+            elif not self._accumulate:  # the all-reduce's first half: each rank receives the mean of its own shard
+                self._inflight.append((reduce_scatter(b.grad, full, group=self.group, async_op=True), None, None))
+            else:  # accumulating: into a new shard, added to the last mean when it arrives
+                out = torch.empty_like(b.grad)
+                self._inflight.append((reduce_scatter(out, full, group=self.group, async_op=True), out, b.grad))
             self._next += 1
             if self.stage == 2 and len(self._inflight) > 2:  # at most two full-size transients alive at once
-                self._inflight.pop(0).wait()
+                self._wait(self._inflight.pop(0))
+
+    @staticmethod
+    def _wait(inflight):
+        work, out, grad = inflight
+        work.wait()
+        if out is not None:
+            grad.add_(out)
 
     def _finish(self):
         """End of backward: send the buckets whose gradients never came (unused parameters), then wait."""
@@ -263,11 +290,11 @@ class ZeroDDP(nn.Module):
         for b in self.buckets[self._next :]:
             b.pending = 0
         self._launch_ready()
-        for work in self._inflight:
-            work.wait()
+        for inflight in self._inflight:
+            self._wait(inflight)
         for b in self.buckets:
             b.pending = len(b.params)
-        self._inflight, self._next = [], 0
+        self._inflight, self._next, self._accumulate = [], 0, True  # until zero_grad(): the next backward adds
 
     def step(self, closure=None):
         """Step this rank's shard, then all-gather the shards: every rank ends with every updated parameter."""
@@ -278,7 +305,8 @@ class ZeroDDP(nn.Module):
         return loss
 
     def zero_grad(self, set_to_none=True):
-        """Nothing to zero (backward overwrites the averaged gradients): here so optimizer loops run unchanged."""
+        """The next backward overwrites the averaged gradients instead of adding to them."""
+        self._accumulate = False
         self.module.zero_grad(set_to_none)
 
     def state_dict(self):

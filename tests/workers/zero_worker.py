@@ -6,7 +6,8 @@ parameter and a layer only one rank uses; buckets are tiny, so shards start and 
 AdamW (weight decay on matrices only) over several steps: averaged gradients and weights bit-identical to DDP's,
 ranks bit-identical, SGD too, stage 1 equal to torch's ZeroRedundancyOptimizer, per-rank optimizer-state and
 gradient bytes 1/N of DDP's (up to padding), checkpoints in AdamW's own format both ways, resume equal to
-uninterrupted, a process group, and bad input as one clear error.
+uninterrupted, gradient accumulation (no_sync, and backward calls adding up), a process group, and bad input as
+one clear error.
 """
 
 import copy
@@ -265,6 +266,31 @@ def check_sgd(base, steps=3):
         equal_states(sd, opt.state_dict())
 
 
+def check_accumulation(base, stage, steps=3):
+    """Gradient accumulation as DDP does it, in both ways: a micro-batch inside no_sync() (autograd sums locally,
+    the next backward reduces the sum) and two backward calls, each reduced, adding up until zero_grad(). Bit for
+    bit DDP's, except two reduced backwards in stage 2: each rank holds only its shard of the last mean, so it
+    adds the new mean to it where DDP reduces (last mean + new gradient); equal within rounding."""
+    ref, ours = copy.deepcopy(base), copy.deepcopy(base)
+    torch_ddp, opt = ddp(ref), torch.optim.AdamW(groups(ref), **OPTS)
+    zero = ZeroDDP(ours, torch.optim.AdamW, stage=stage, bucket_cap_mb=CAP, params=groups(ours), **OPTS)
+    warm_up(torch_ddp, opt)
+    warm_up(zero, zero)
+    for step in range(steps):
+        for wrapped, o in ((torch_ddp, opt), (zero, zero)):
+            with wrapped.no_sync():
+                loss_of(wrapped, batch(100 + step)).backward()
+            for micro in range(2):
+                loss_of(wrapped, batch(200 + 2 * step + micro)).backward()
+            o.step()
+            o.zero_grad()
+    if stage == 1:
+        assert torch.equal(weights(ours), weights(ref)), "accumulation: stage 1 != DDP + AdamW"
+    else:
+        assert torch.allclose(weights(ours), weights(ref), rtol=0, atol=1e-5), "accumulation: stage 2 != DDP"
+    assert identical_across_ranks([weights(ours)]), f"accumulation, stage {stage}: ranks differ"
+
+
 def check_state_dict_before_a_step(base):
     """No step yet: the checkpoint is an AdamW state_dict with groups and no state, as AdamW's own."""
     model = copy.deepcopy(base)
@@ -321,10 +347,11 @@ def checks():
     check_sgd(base)
     for stage in (1, 2):
         check_checkpoints(base, stage)
+        check_accumulation(base, stage)
     dist.barrier()
     return (f"OK ZeroDDP stages 1 and 2 == DDP + AdamW bit for bit on {WORLD} ranks "
             f"({len(zeros[2].buckets)} buckets; tied, frozen, odd and tiny parameters); SGD too; stage 1 "
-            f"== ZeroRedundancyOptimizer; state and gradients 1/N; checkpoints resume both ways")
+            f"== ZeroRedundancyOptimizer; state and gradients 1/N; checkpoints resume both ways; accumulation")
 
 
 def main():
