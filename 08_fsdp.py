@@ -561,10 +561,9 @@ def main(args):
     if ckpt:
         print0(f"resumed from {path} at step {ckpt['step']}")
     runs = {"ours": train("ours", args, device, text, zero, ckpt)}
-    # ZeRO-2 (07) reduces its gradients in every backward: it has no accumulation, so no column with --grad-accum.
-    missing = "07_zero.py not beside this file" if not zero else "07 does not accumulate" if args.grad_accum > 1 else ""
+    missing = "" if zero else "07_zero.py not beside this file"
     for impl in ["fully_shard", "DDP", "ZeRO-2"]:
-        if impl != "ZeRO-2" or not missing:
+        if impl != "ZeRO-2" or zero:
             runs[impl] = train(impl, args, device, text, zero)
     (ours, o), (theirs, t), (ddp, d) = runs["ours"], runs["fully_shard"], runs["DDP"]
     forward = max(i for i, e in enumerate(o["events"]) if e.startswith("forward")) + 1

@@ -24,7 +24,7 @@ ARGS = {
     "06_torch_ddp_resnet.py": ["--dataset", "fake", "--fake-size", "64", "--batch-size", "8", "--epochs", "1",
                                "--precision", "bf16", "--sync-bn"],
     "07_zero.py": ["--n-layer", "2", "--n-embd", "64", "--steps", "3"],
-    "08_fsdp.py": ["--n-layer", "2", "--n-embd", "64", "--steps", "3"],
+    "08_fsdp.py": ["--n-layer", "2", "--n-embd", "64", "--max-steps", "3"],
 }
 ENV = dict(CUBLAS_WORKSPACE_CONFIG=":4096:8")  # lets deterministic cuBLAS run, for the bit-for-bit workers
 

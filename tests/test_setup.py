@@ -85,3 +85,12 @@ def test_cpu_path_never_asks_cuda(monkeypatch):
         assert torch.distributed.get_backend() == "gloo" and torch.distributed.get_world_size() == 1
     finally:
         torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_gpu_tiers_flags_parse_here(name, monkeypatch):
+    """The GPU tier runs where CUDA is, rarely: its flags for each script are checked here, on every machine, with
+    the script's own parser (the device flags that tier adds are the setup block's, checked above)."""
+    from test_gpu import ARGS
+    monkeypatch.setattr("sys.argv", [name, *ARGS[name]])
+    load_script(name).parse_args()
