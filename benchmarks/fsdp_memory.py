@@ -20,11 +20,6 @@ import subprocess
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import check_writable, load_script, write_json  # noqa: E402
 
@@ -33,7 +28,13 @@ MMAP_THRESHOLD = 128 << 10
 
 
 def worker(args):
-    """One implementation under torchrun: train, then print one RESULT line per rank."""
+    """One implementation under torchrun: train, then print one RESULT line per rank. (torch is imported here:
+    the driver that launches the workers needs none of it.)"""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
     fsdp = load_script("08_fsdp.py")
     cuda = args.device == "cuda"
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
@@ -91,6 +92,7 @@ def main():
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="ranks per launch")
     p.add_argument("--rounds", type=int, default=3, help="launches of each implementation, in alternating order")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=IMPLS, help="which to launch")
     p.add_argument("--layers", type=int, default=8, help="Linear layers, one unit each")
     p.add_argument("--width", type=int, default=2048, help="features in and out of each layer")
     p.add_argument("--batch", type=int, default=64, help="rows of random data per rank per step")
@@ -107,7 +109,7 @@ def main():
     check_writable(args.json, "--json")
     rows = []
     for r in range(args.rounds):
-        order = IMPLS[r % len(IMPLS):] + IMPLS[:r % len(IMPLS)]  # each goes first once every three rounds
+        order = args.impls[r % len(args.impls):] + args.impls[:r % len(args.impls)]  # each goes first in turn
         for impl in order:
             rows += launch(impl, args)
             print(f"round {r + 1}/{args.rounds} {impl:<11} peak MiB per rank: "
@@ -118,7 +120,7 @@ def main():
           f"{args.steps} steps, {args.nproc} ranks on {args.device}, {args.rounds} launches each\n")
     print(f"| | {unit}, min-max over ranks and launches | above base | ms/step (median) |\n|---|---:|---:|---:|")
     above = {}
-    for impl in IMPLS:
+    for impl in args.impls:
         mine = [x for x in rows if x["impl"] == impl]
         peaks = [x["peak_mib"] for x in mine]
         above[impl] = [x["peak_mib"] - x["base_mib"] for x in mine]
@@ -128,6 +130,8 @@ def main():
         write_json(args.json, dict(args=vars(args), rows=rows))
     # The base moves by several MiB between launches of the same program (which pages of torch's libraries are
     # resident), so the training's own memory, the peak above base, is what compares.
+    if not {"ours", "fully_shard"} <= above.keys():
+        return
     ours, theirs = max(above["ours"]), min(above["fully_shard"])
     print(f"\nabove base, ours' highest ({ours:,.1f} MiB) is {'at most' if ours <= theirs else 'ABOVE'} fully_shard's "
           f"lowest ({theirs:,.1f} MiB)")
