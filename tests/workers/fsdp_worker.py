@@ -3,11 +3,10 @@
 A toy model with a tied embedding/head, frozen weights, odd sizes and parameters with fewer rows than ranks (the
 script checks a Hugging Face GPT-2 against fully_shard itself; tests/test_fsdp.py runs it). Checked: the shards
 (torch.chunk's, plain tensors, fully_shard's local tensors), the gradients and the weights after AdamW steps bit
-for bit (fp32, bf16 compute, bf16 with fp32 reduction, gradient accumulation with sync off, clipping, two
-forward calls before one backward, activation checkpointing), DDP within
-float tolerance, the bytes each rank holds and sends, the units in flight, the order of launches, resuming from
-full state dicts, bad input. (Ranks hold identical full weights by construction: each element lives on one
-rank, and every rank gathers it from there.)
+for bit (fp32, bf16 compute, bf16 with fp32 reduction, gradient accumulation with sync off, clipping, two forward
+calls before one backward, activation checkpointing), DDP within float tolerance, the bytes each rank holds and
+sends, the units in flight, the order of launches, resuming from full state dicts, bad input. (Ranks hold
+identical full weights by construction: each element lives on one rank, and every rank gathers it from there.)
 Usage: [ALSO_ZERO=1] torchrun --nproc_per_node=N tests/workers/fsdp_worker.py
 """
 
