@@ -266,23 +266,25 @@ class ZeroDDP(nn.Module):
                     torch.mul(grad, 1 / self.world, out=view)
                 p.grad = None  # autograd's copy is freed: the bucket has it now
             full[b.used :].zero_()
+            out = None  # a new shard to add to b.grad when it arrives, if any
             if self.stage == 1:  # SUM of grad/N: every rank receives the whole mean
-                self._inflight.append((dist.all_reduce(full, group=self.group, async_op=True), None, None))
+                work = dist.all_reduce(full, group=self.group, async_op=True)
             elif not self._accumulate:  # the all-reduce's first half: each rank receives the mean of its own shard
-                self._inflight.append((reduce_scatter(b.grad, full, group=self.group, async_op=True), None, None))
+                work = reduce_scatter(b.grad, full, group=self.group, async_op=True)
             else:  # accumulating: into a new shard, added to the last mean when it arrives
                 out = torch.empty_like(b.grad)
-                self._inflight.append((reduce_scatter(out, full, group=self.group, async_op=True), out, b.grad))
+                work = reduce_scatter(out, full, group=self.group, async_op=True)
+            self._inflight.append((work, out, b))
             self._next += 1
             if self.stage == 2 and len(self._inflight) > 2:  # at most two full-size transients alive at once
                 self._wait(self._inflight.pop(0))
 
     @staticmethod
     def _wait(inflight):
-        work, out, grad = inflight
+        work, out, bucket = inflight
         work.wait()
         if out is not None:
-            grad.add_(out)
+            bucket.grad.add_(out)
 
     def _finish(self):
         """End of backward: send the buckets whose gradients never came (unused parameters), then wait."""

@@ -100,7 +100,8 @@ class Counted:
     """Counts the collectives our backward issues: the reduce-scatter (on gloo an in-place all-reduce) and the
     all-gathers, by wrapping torch.distributed's functions, which 08 looks up at each call."""
 
-    names = ("reduce_scatter_single", "all_reduce", "all_gather_single", "broadcast")
+    gathers = ("all_gather_single", "broadcast")  # 08 gathers with broadcasts on gloo
+    names = ("reduce_scatter_single", "all_reduce", *gathers)
 
     def __enter__(self):
         self.calls, self.real = [], {n: getattr(dist, n) for n in self.names}
@@ -153,7 +154,7 @@ def check_training(steps=3, accum=1, clip=None, group=None, forwards=1, checkpoi
             with Counted() as counted:
                 sum(loss_of(ours, data(step, rank, micro + 5 * k)) / accum for k in range(forwards)).backward()
             sum(loss_of(theirs, data(step, rank, micro + 5 * k)) / accum for k in range(forwards)).backward()
-            reduced = [c for c in counted.calls if c not in ("all_gather_single", "broadcast")]
+            reduced = [c for c in counted.calls if c not in Counted.gathers]
             if last:  # one reduce per unit (the root's and each block's), nothing before the last micro-batch
                 assert len(reduced) == len(fsdp._units(ours)), counted.calls
             else:
