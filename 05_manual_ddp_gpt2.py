@@ -234,18 +234,20 @@ class ManualDDP(nn.Module, Joinable):
         self.module, self.dim, self.static_graph = module, dim, static_graph
         self.find_unused_parameters, self.gradient_as_bucket_view = find_unused_parameters, gradient_as_bucket_view
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
-        # As in DDP 2.14: forward_sync_buffers, if given, wins; else broadcast_buffers (default True) rules both the
-        # broadcast at construction and the one before every forward.
+        # As in DDP 2.14: forward_sync_buffers, if given, wins (and buffers are broadcast at construction); else
+        # broadcast_buffers (default True) rules both the broadcast at construction and the one before every forward.
         self.forward_sync_buffers = forward_sync_buffers
         if forward_sync_buffers is None:
             self.forward_sync_buffers = broadcast_buffers is not False
+        init_sync_buffers = forward_sync_buffers is not None or broadcast_buffers is not False
         self.require_backward_grad_sync = self.require_forward_param_sync = True
-        # Parameters and buffers DDP is told to leave alone (DDP._set_params_and_buffers_to_ignore_for_model).
-        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        # Names DDP leaves alone: those the model lists (DDP._set_params_and_buffers_to_ignore_for_model), and the
+        # delayed parameters, which travel on their own.
         delayed = dict(delay_all_reduce_named_params or [])
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored | set(delayed)]
-        self.names, self.params = [n for n, _ in named], [p for _, p in named]
-        self._ignored = ignored
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | set(delayed)
+        named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
+        trained = [(n, p) for n, p in named if p.requires_grad]
+        self.names, self.params = [n for n, _ in trained], [p for _, p in trained]
         devices = {p.device for p in self.params} | {p.device for p in delayed.values()}
         if not devices:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any parameter "
@@ -253,13 +255,19 @@ class ManualDDP(nn.Module, Joinable):
         self.device = next(iter(devices))
         self.device_ids, self.output_device = self._check_device_ids(device_ids, output_device, devices)
         self.world = dist.get_world_size(self.process_group)
+        # Replicas must start identical: the same averaged gradient applied to different weights would keep them
+        # different forever. So rank 0's value of EVERY parameter wins, frozen ones too (a frozen layer that
+        # differs would make the outputs differ), and of every buffer.
+        state = [p for _, p in named] + (self.buffers_to_sync if init_sync_buffers else [])
+        if init_sync or verify:
+            self._check_shapes(state)
         if verify:
-            self._check_identical(self.params + list(delayed.values()) + self.buffers_to_sync)
-        elif init_sync:
-            # Replicas must start identical: the same averaged gradient applied to different weights would keep
-            # them different forever. The group's first rank wins.
-            state = self.params + list(delayed.values())
-            self._broadcast(state + (self.buffers_to_sync if broadcast_buffers is not False else []), src=0)
+            self._check_identical(state + list(delayed.values()))
+        else:
+            if delayed:  # sent even without init_sync, as DDP does
+                self._broadcast(list(delayed.values()), src=0)
+            if init_sync and self.params:  # DDP skips it when every trained parameter is delayed
+                self._broadcast(state, src=0)
 
         # Buckets. DDP's rule: a first iteration with all parameters in ONE bucket, in parameter order: that order
         # is only a guess of the order backward produces gradients. The first backward reveals the real one; the
@@ -465,7 +473,7 @@ class ManualDDP(nn.Module, Joinable):
     @property
     def buffers_to_sync(self):
         """Looked up anew each time: a module may replace its buffers (DDP does the same)."""
-        return [b for n, b in self.module.named_buffers() if n not in self._ignored]
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
 
     @property
     def broadcast_buffers(self):
@@ -488,19 +496,21 @@ class ManualDDP(nn.Module, Joinable):
         return self.require_forward_param_sync and self.forward_sync_buffers and len(self.buffers_to_sync) > 0
 
     def _broadcast(self, tensors, src):
-        """Broadcast tensors of any dtypes from the group's rank src, their bytes packed into few messages."""
-        groups, size = [[]], 0
-        for t in tensors:  # up to 250 MiB a message, as DDP: large models need no second full copy
-            if size >= 250 << 20:
-                groups, size = groups + [[]], 0
-            groups[-1].append(t)
-            size += t.numel() * t.element_size()
+        """Broadcast tensors from the group's rank src in few messages, as DDP does: the tensors of one dtype
+        (a flat buffer holds one element type) packed together, up to 250 MiB a message (a large model needs no
+        second full copy of itself)."""
+        messages = {}
+        for t in tensors:
+            kind = (t.dtype, t.device)
+            if kind not in messages or sum(x.numel() * x.element_size() for x in messages[kind][-1]) >= 250 << 20:
+                messages.setdefault(kind, []).append([])
+            messages[kind][-1].append(t)
         with torch.no_grad():
-            for group in filter(None, groups):
-                flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in group])
+            for group in [g for kind in messages.values() for g in kind]:
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
                 dist.broadcast(flat, src=dist.get_global_rank(self.process_group, src), group=self.process_group)
-                for t, chunk in zip(group, flat.split([t.numel() * t.element_size() for t in group])):
-                    t.copy_(chunk.view(t.dtype).view_as(t))
+                for t, part in zip(group, flat.split([t.numel() for t in group])):
+                    t.copy_(part.view_as(t))
 
     def _sync_buffers(self, joined=False):
         """Rank 0's buffers (BatchNorm statistics...) to every rank, as DDP does before each forward."""
@@ -546,6 +556,17 @@ class ManualDDP(nn.Module, Joinable):
     @property
     def join_process_group(self):
         return self.process_group
+
+    def _check_shapes(self, state):
+        """As DDP: every rank must hold the same tensors (count, shapes, dtypes) before anything is broadcast."""
+        mine = [(tuple(t.shape), str(t.dtype)) for t in state]
+        theirs = [mine]
+        dist.broadcast_object_list(theirs, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        differs = torch.tensor([float(theirs[0] != mine)], device=self.device)
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=self.process_group)  # all raise, or none
+        if differs.item():
+            raise RuntimeError("DistributedDataParallel: the model differs across ranks (number, shapes or dtypes of "
+                               "its parameters and buffers): build the same model on every rank")
 
     def _check_identical(self, state):
         differs = torch.zeros(1, device=self.device)
@@ -594,7 +615,8 @@ class _JoinHook(JoinHook):
         """Everyone ends with the model of a rank that trained last."""
         ddp = self.ddp
         src = ddp._common_rank(is_last_joiner)
-        ddp._broadcast(ddp.params + (ddp.buffers_to_sync if ddp.forward_sync_buffers else []), src)
+        params = [p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
+        ddp._broadcast(params + (ddp.buffers_to_sync if ddp.forward_sync_buffers else []), src)
 
 
 def _to_device(obj, device):

@@ -173,11 +173,12 @@ class ZeroDDP(nn.Module):
     ``module.parameters()``); checkpoints number parameters in that order. Call it as the model, then
     ``loss.backward()``, ``step()``, ``zero_grad()``. Gradient accumulation as under DDP: backward calls before
     ``zero_grad()`` add up (each reduced), or inside ``no_sync()`` autograd sums them locally (full size) until
-    a backward outside it reduces the sum. A scheduler takes ``.optim``, the shard's optimizer.
+    a backward outside it reduces the sum. A scheduler takes ``.optim``, the shard's optimizer. Buffers as under
+    DDP: rank 0's everywhere at the start and, with ``broadcast_buffers`` (DDP's default), before each forward.
     """
 
     def __init__(self, module, optimizer_class, stage=2, process_group=None, bucket_cap_mb=None, params=None,
-                 **defaults):
+                 broadcast_buffers=True, **defaults):
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"ZeroDDP: stage must be 1 or 2, got {stage!r}")
@@ -221,6 +222,7 @@ class ZeroDDP(nn.Module):
                                      **defaults)
         self._queued, self._next, self._inflight, self._accumulate = False, 0, [], False
         self.require_backward_grad_sync = True  # DDP's name for it: off inside no_sync()
+        self.broadcast_buffers, self.require_forward_param_sync = broadcast_buffers, True  # DDP's names too
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b))
@@ -230,7 +232,15 @@ class ZeroDDP(nn.Module):
         return self.optim.param_groups
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        # As DDP: rank 0's buffers (BatchNorm's running statistics) reach every rank before a forward, unless the
+        # forward before it accumulated (no_sync) or ran without gradients.
+        if self.broadcast_buffers and self.require_forward_param_sync:
+            with torch.no_grad():
+                for t in self.module.buffers():
+                    dist.broadcast(t, src=self.root, group=self.group)
+        out = self.module(*args, **kwargs)
+        self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        return out
 
     @contextlib.contextmanager
     def no_sync(self):
