@@ -286,9 +286,11 @@ class ManualDDP(nn.Module, Joinable):
                 self._first_caps = self._caps if bucket_cap_mb is None else [cap]
         first = bucket_layout(self.params, range(len(self.params)), self._first_caps)
         self._set_buckets(sorted(first, key=min, reverse=True))  # DDP reverses: last parameters' bucket first
+        self._first_sizes = ", ".join(str(b.flat.numel() * b.flat.element_size()) for b in self.buckets)
         self._rebuilt = find_unused_parameters and not static_graph  # never rebuilt then
         self._order, self._syncs, self._queued, self._next, self._hook = [], 0, False, 0, None
         self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
+        self._unused, self._graph_static = [], True  # find_unused_parameters: for _get_ddp_logging_data
         self._hook_counts = [0] * len(self.params)  # static_graph: hooks per parameter seen in the first backward
         self._divisor, self._divide_by_initial, self._fresh, self._joining = self.world, True, set(), False
         # The hooks reach the wrapper through a weak reference: a wrapper that is dropped (say, to wrap the model
@@ -416,6 +418,10 @@ class ManualDDP(nn.Module, Joinable):
                     self._mark_ready(b, slot)
         self._launch_ready()
         if self.find_unused_parameters:
+            # As DDP, for its logging data: is the set of parameters this rank leaves unused the same every time?
+            unused = (self._used == 0).nonzero().flatten().tolist()
+            self._graph_static &= self._syncs == 0 or self.static_graph or unused == self._unused
+            self._unused = unused
             dist.all_reduce(self._used, group=self.process_group)  # which parameters some rank used
         for b in self.buckets + self._delayed:
             if b.future is not None:
@@ -540,6 +546,40 @@ class ManualDDP(nn.Module, Joinable):
         if self._hook is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
         self._hook = (state, hook)
+
+    def _get_ddp_logging_data(self):
+        """DDP's summary of itself (private, but Lightning's teardown reads it): the keys DDP fills from its
+        arguments and buckets, from this wrapper's real state. DDP's timings are not measured here, so absent."""
+        data = {
+            "module_name": type(self.module).__name__, "backend_name": dist.get_backend(self.process_group),
+            "world_size": self.world, "rank": dist.get_rank(self.process_group),
+            "device_ids": ", ".join(map(str, self.device_ids or [])),
+            "output_device": -1 if self.output_device is None else self.output_device,
+            "broadcast_buffers": int(self.forward_sync_buffers),
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "has_sync_bn": int(any(isinstance(m, nn.SyncBatchNorm) for m in self.module.modules())),
+            "is_multi_device_module": 0,
+            "num_parameter_tensors": len(self.params),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in self.params),
+            "dtypes": ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in self.params})),
+            "bucket_cap_bytes": self._caps[-1],
+            "bucket_sizes": self._first_sizes,
+            "has_rebuilt_buckets": int(self._rebuilt and not (self.find_unused_parameters and not self.static_graph)),
+        }
+        if data["has_rebuilt_buckets"]:
+            data["rebuilt_bucket_sizes"] = ", ".join(str(b.flat.numel() * b.flat.element_size()) for b in self.buckets)
+        if self.static_graph:  # these three, as DDP, only once they apply
+            data["static_graph"] = 1
+        if self._joining:
+            data["join_uneven_inputs"] = 1
+        if self._hook is not None:
+            data["comm_hook"] = getattr(self._hook[1], "__qualname__", repr(self._hook[1]))
+        # DDP writes this key while training only once the graph proved dynamic (the set of unused parameters
+        # changed between iterations); a static graph is reported when DDP is destroyed.
+        if not self._graph_static:
+            data["can_set_static_graph"] = 0
+        return data
 
     def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
         """Uneven inputs: a rank out of data shadows the others' collectives with zeros until all are done."""
