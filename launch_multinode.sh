@@ -42,15 +42,25 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-is_int() { [[ "$1" =~ ^[0-9]+$ ]]; }
-is_int "$nodes" && [ "$nodes" -ge 1 ] || die "--nodes must be an integer >= 1, got '${nodes}'"
-is_int "$nproc" && [ "$nproc" -ge 1 ] || die "--nproc-per-node must be an integer >= 1, got '${nproc}'"
+# Numbers are decimal: "010" is ten (bash would read it as octal, and torchrun as ten: a job that never starts).
+decimal() { [[ "$1" =~ ^[0-9]{1,6}$ ]] && echo $((10#$1)); }
+nodes_n=$(decimal "$nodes") && [ "$nodes_n" -ge 1 ] || die "--nodes must be an integer from 1 to 999999, got '${nodes}'"
+nproc_n=$(decimal "$nproc") && [ "$nproc_n" -ge 1 ] || \
+  die "--nproc-per-node must be an integer from 1 to 999999, got '${nproc}'"
+port_n=$(decimal "$port") && [ "$port_n" -ge 1 ] && [ "$port_n" -le 65535 ] || \
+  die "--master-port must be an integer from 1 to 65535, got '$port'"
+nodes=$nodes_n nproc=$nproc_n port=$port_n
 [ -n "$addr" ] || die "--master-addr is required: the address of node 0, reachable from every node"
-is_int "$port" && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] || die "--master-port must be 1-65535, got '$port'"
+# A host name, an IPv4 or an IPv6 address: these lines are meant to be pasted into shells.
+[[ "$addr" =~ ^[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?$ || "$addr" =~ ^[0-9A-Fa-f:.]{2,45}$ ]] || \
+  die "--master-addr must be a host name or an IP address, got '$addr'"
 [ -f "$script" ] || die "--script '$script' does not exist (run from the repository root, or give a path)"
+endpoint="$addr:$port"
+[[ "$addr" == *:* ]] && endpoint="[$addr]:$port"  # IPv6 in a host:port pair takes brackets
 
-# Quote the script's arguments so the printed lines paste back into a shell unchanged.
+# Every printed argument quoted, so the lines paste back into a shell unchanged, whatever the script's arguments.
 tail_args=$(printf ' %q' "$script" "${script_args[@]}")
+q_addr=$(printf '%q' "$addr") q_endpoint=$(printf '%q' "$endpoint")
 world=$((nodes * nproc))
 
 echo "# $nodes node(s) x $nproc process(es) = $world ranks. Run from the repository root on every node."
@@ -64,11 +74,11 @@ echo "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # restarted rounds re-rendezv
 echo
 echo "# --- static rendezvous: node 0 hosts it at $addr:$port; run line K on node K ---"
 for ((k = 0; k < nodes; k++)); do
-  echo "torchrun --nnodes=$nodes --node_rank=$k --nproc_per_node=$nproc --master_addr=$addr --master_port=$port$tail_args"
+  echo "torchrun --nnodes=$nodes --node_rank=$k --nproc_per_node=$nproc --master_addr=$q_addr --master_port=$port$tail_args"
 done
 echo
 echo "# --- c10d rendezvous (elastic): the same line on every node, in any order; add --max-restarts=3 to survive crashes ---"
-echo "torchrun --nnodes=$nodes --nproc_per_node=$nproc --rdzv-backend=c10d --rdzv-endpoint=$addr:$port --rdzv-id=ddp-job$tail_args"
+echo "torchrun --nnodes=$nodes --nproc_per_node=$nproc --rdzv-backend=c10d --rdzv-endpoint=$q_endpoint --rdzv-id=ddp-job$tail_args"
 echo
 echo "# --- SLURM: save as job.sbatch, then: sbatch job.sbatch (one torchrun per node, srun starts them) ---"
 cat <<EOF

@@ -21,16 +21,34 @@ def test_no_arguments_prints_usage_and_example():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--nodes", "0", "--nproc-per-node", "1", "--master-addr", "h"], "--nodes must be an integer >= 1"),
+    (["--nodes", "0", "--nproc-per-node", "1", "--master-addr", "h"], "--nodes must be an integer from 1 to 999999"),
     (["--nodes", "2", "--nproc-per-node", "1"], "--master-addr is required"),
     (["--nodes", "2", "--nproc-per-node", "1", "--master-addr", "h", "--script", "no.py"], "'no.py' does not exist"),
-    (["--nodes", "2", "--nproc-per-node", "x", "--master-addr", "h"], "--nproc-per-node must be an integer"),
+    (["--nodes", "2", "--nproc-per-node", "x", "--master-addr", "h"], "--nproc-per-node must be an integer from 1"),
     (["--bogus"], "unknown argument '--bogus'"),
+    (["--nodes", "99999999999999999999", "--nproc-per-node", "1", "--master-addr", "h"], "from 1 to 999999"),
+    (["--nodes", "2", "--nproc-per-node", "1", "--master-addr", "h; rm -rf /"], "a host name or an IP address"),
+    (["--nodes", "2", "--nproc-per-node", "1", "--master-addr", "$(reboot)"], "a host name or an IP address"),
+    (["--nodes", "2", "--nproc-per-node", "1", "--master-addr", "h", "--master-port", "0"], "from 1 to 65535"),
 ])
 def test_bad_arguments(args, message):
     res = sh(*args)
     assert res.returncode != 0 and res.stdout == ""
     assert res.stderr.count("\n") == 1 and message in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("nodes,nproc,port", [("010", "08", "029500"), ("8", "2", "99")])
+def test_numbers_are_decimal(nodes, nproc, port):
+    out = sh("--nodes", nodes, "--nproc-per-node", nproc, "--master-addr", "h", "--master-port", port).stdout
+    static = [shlex.split(ln) for ln in out.splitlines() if ln.startswith("torchrun") and "--node_rank" in ln]
+    assert len(static) == int(nodes, 10) and all(f"--nnodes={int(nodes, 10)}" in cmd for cmd in static), out
+    assert all(f"--nproc_per_node={int(nproc, 10)}" in c and f"--master_port={int(port, 10)}" in c for c in static)
+
+
+def test_ipv6_master_address_is_bracketed_in_the_endpoint():
+    out = sh("--nodes", "2", "--nproc-per-node", "1", "--master-addr", "fe80::1").stdout
+    elastic = next(shlex.split(ln) for ln in out.splitlines() if "--rdzv-endpoint" in ln and ln.startswith("torch"))
+    assert "--rdzv-endpoint=[fe80::1]:29500" in elastic, elastic
 
 
 def test_prints_every_form():
