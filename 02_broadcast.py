@@ -45,6 +45,20 @@ def log(*msg):
     sys.stdout.flush()
 
 
+def number(kind, low, high=math.inf, above=False):
+    """The argparse type of every numeric flag: a finite int or float from `low` (or above it) to `high`."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+            within = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"must be {within}, got {text}")
+        return value
+    return parse
+
+
 def parser(doc, timeout_s=120):
     """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -54,7 +68,8 @@ def parser(doc, timeout_s=120):
     p.error = error
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
-    p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
+    p.add_argument("--timeout-s", type=number(float, 1, 30 * 86400), default=timeout_s,
+                   help="how long a rank waits for a dead or stuck peer")
     return p
 
 
@@ -85,8 +100,6 @@ def setup(args, min_world=2):
     RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if WORLD < min_world:
         raise UsageError(f"needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
-    if args.timeout_s <= 0:
-        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
     n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
     device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
                                           int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -115,7 +128,8 @@ def run(main, parse_args):
         where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
         if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
             raise  # a bug in this rank's own code keeps its traceback
-        log(f"error: lost a peer ({text.strip().splitlines()[0][:160]})")
+        what = "timed out waiting for a peer" if "timed out" in text.lower() else "lost a peer"
+        log(f"error: {what} ({text.strip().splitlines()[0][:160]})")
         os._exit(1)  # no teardown: it would wait for the dead peer
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -163,9 +177,28 @@ def all_identical(vec):
     return differs.item() == 0
 
 
+def check_memory(nbytes, what, device):
+    """One line before the work if `what` cannot fit: `nbytes`, a lower bound of what it needs, against this rank's
+    share of its device's free memory (a node's RAM and a shared GPU are split between their ranks)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device.type == "cuda":
+        free, sharing = torch.cuda.mem_get_info(device)[0], -(-local_world // torch.cuda.device_count())
+    else:
+        free, sharing = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), local_world
+        if os.path.exists("/proc/meminfo"):  # Linux says what is available: free, and cache it can drop
+            with open("/proc/meminfo") as f:
+                free = next((int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")), free)
+    share = torch.tensor([free / sharing], dtype=torch.float64, device=device)
+    dist.all_reduce(share, op=dist.ReduceOp.MIN)  # the smallest share decides, so every rank decides alike
+    if nbytes > share.item():
+        raise UsageError(f"{what} would need at least {nbytes / 2**30:,.1f} GiB, more than this rank's share of "
+                         f"{device.type} memory ({share.item() / 2**30:,.1f} GiB)")
+
+
 def main(args):
     device = setup(args)
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} src={args.src}")
+    check_memory(3 * 8 * args.numel, f"--numel {args.numel:,}", device)  # three copies, int64 the largest
 
     # 1. The library call: only src's values matter; the other ranks' tensors are overwritten.
     t = torch.arange(4, device=device, dtype=torch.float32) + (100 * args.src if RANK == args.src else -1)
@@ -202,10 +235,8 @@ def main(args):
 def parse_args():
     p = parser(__doc__)
     p.add_argument("--src", type=int, default=0, help="rank whose tensor is broadcast")
-    p.add_argument("--numel", type=int, default=100_000, help="elements in the tensors broadcast by hand")
+    p.add_argument("--numel", type=number(int, 1), default=100_000, help="elements in the tensors broadcast by hand")
     a = p.parse_args()
-    if a.numel < 1:
-        p.error(f"--numel must be >= 1, got {a.numel}")
     if not 0 <= a.src < int(os.environ.get("WORLD_SIZE", a.src + 1)):  # checked before any process group starts
         p.error(f"--src {a.src} is not a rank: WORLD_SIZE={os.environ.get('WORLD_SIZE')}")
     return a

@@ -16,6 +16,7 @@ Run it (any N >= 2):
 """
 
 import argparse
+import collections
 import math
 import os
 import sys
@@ -46,6 +47,20 @@ def log(*msg):
     sys.stdout.flush()
 
 
+def number(kind, low, high=math.inf, above=False):
+    """The argparse type of every numeric flag: a finite int or float from `low` (or above it) to `high`."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+            within = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"must be {within}, got {text}")
+        return value
+    return parse
+
+
 def parser(doc, timeout_s=120):
     """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -55,7 +70,8 @@ def parser(doc, timeout_s=120):
     p.error = error
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
-    p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
+    p.add_argument("--timeout-s", type=number(float, 1, 30 * 86400), default=timeout_s,
+                   help="how long a rank waits for a dead or stuck peer")
     return p
 
 
@@ -86,8 +102,6 @@ def setup(args, min_world=2):
     RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if WORLD < min_world:
         raise UsageError(f"needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
-    if args.timeout_s <= 0:
-        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
     n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
     device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
                                           int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -116,7 +130,8 @@ def run(main, parse_args):
         where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
         if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
             raise  # a bug in this rank's own code keeps its traceback
-        log(f"error: lost a peer ({text.strip().splitlines()[0][:160]})")
+        what = "timed out waiting for a peer" if "timed out" in text.lower() else "lost a peer"
+        log(f"error: {what} ({text.strip().splitlines()[0][:160]})")
         os._exit(1)  # no teardown: it would wait for the dead peer
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -177,8 +192,34 @@ def gather(obj):
     return out
 
 
+def check_memory(nbytes, what, device):
+    """One line before the work if `what` cannot fit: `nbytes`, a lower bound of what it needs, against this rank's
+    share of its device's free memory (a node's RAM and a shared GPU are split between their ranks)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device.type == "cuda":
+        free, sharing = torch.cuda.mem_get_info(device)[0], -(-local_world // torch.cuda.device_count())
+    else:
+        free, sharing = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), local_world
+        if os.path.exists("/proc/meminfo"):  # Linux says what is available: free, and cache it can drop
+            with open("/proc/meminfo") as f:
+                free = next((int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")), free)
+    share = torch.tensor([free / sharing], dtype=torch.float64, device=device)
+    dist.all_reduce(share, op=dist.ReduceOp.MIN)  # the smallest share decides, so every rank decides alike
+    if nbytes > share.item():
+        raise UsageError(f"{what} would need at least {nbytes / 2**30:,.1f} GiB, more than this rank's share of "
+                         f"{device.type} memory ({share.item() / 2**30:,.1f} GiB)")
+
+
+def brief(indices, shown=16):
+    """A list of indices for a log line: the first `shown`, and how many in all."""
+    indices = list(indices)
+    return str(indices) if len(indices) <= shown else str(indices[:shown])[:-1] + f", ... ({len(indices):,} in all)]"
+
+
 def main(args):
     device = setup(args)
+    # A Python list of ints costs ~36 bytes an element (pointer + int object); the samplers make a few of them.
+    check_memory(36 * 4 * args.dataset_size, f"--dataset-size {args.dataset_size:,}", device)
     data = list(range(args.dataset_size))
     print0(f"world_size={WORLD}, dataset of {len(data)} samples, seed={args.seed}")
 
@@ -190,12 +231,12 @@ def main(args):
             ours.set_epoch(epoch)
             ref.set_epoch(epoch)
             assert list(ours) == list(ref) and len(ours) == len(ref), (drop_last, epoch)
-    log(f"epoch 0 indices: {list(DistributedSampler(data, seed=args.seed))}  (== torch's, drop_last both ways)")
+    log(f"epoch 0 indices: {brief(DistributedSampler(data, seed=args.seed))}  (== torch's, drop_last both ways)")
 
     # 2. Padding: all ranks together see total_size samples, some twice (or, with drop_last, some never).
     sampler = DistributedSampler(data, seed=args.seed)
-    seen = sum(gather(list(sampler)), [])
-    dupes = sorted({i for i in seen if seen.count(i) > 1})
+    seen = collections.Counter(sum(gather(list(sampler)), []))
+    dupes = sorted(i for i, times in seen.items() if times > 1)
     print0(f"padding: {sampler.total_size} slots for {len(data)} samples -> seen twice: {dupes}")
     dropped = sorted(set(data) - set(sum(gather(list(DistributedSampler(data, seed=args.seed, drop_last=True))), [])))
     print0(f"drop_last=True instead: {len(data) - len(dropped)} samples used, never seen this epoch: {dropped}")
@@ -204,7 +245,7 @@ def main(args):
     first = list(sampler)
     sampler.set_epoch(1)
     assert list(sampler) != first or len(first) < 2
-    log(f"after set_epoch(1): {list(sampler)}  (without it: {first} again)")
+    log(f"after set_epoch(1): {brief(sampler)}  (without it: {brief(first)} again)")
 
     # 4. Evaluation. Pretend the model is right on every sample whose index is not a multiple of 3.
     sampler.set_epoch(0)
@@ -226,12 +267,9 @@ def main(args):
 
 def parse_args():
     p = parser(__doc__)
-    p.add_argument("--dataset-size", type=int, default=11, help="samples in the toy dataset (try N+1)")
-    p.add_argument("--seed", type=int, default=0, help="shuffle seed, shared by all ranks")
-    a = p.parse_args()
-    if a.dataset_size < 1:
-        p.error(f"--dataset-size must be >= 1, got {a.dataset_size}")
-    return a
+    p.add_argument("--dataset-size", type=number(int, 1), default=11, help="samples in the toy dataset (try N+1)")
+    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0, help="shuffle seed, shared by all ranks")
+    return p.parse_args()
 
 
 if __name__ == "__main__":
