@@ -26,11 +26,13 @@ import fcntl
 import functools
 import glob
 import itertools
+import json
 import math
 import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import weakref
@@ -68,6 +70,20 @@ def log(*msg):
     sys.stdout.flush()
 
 
+def number(kind, low, high=math.inf, above=False):
+    """The argparse type of every numeric flag: a finite int or float from `low` (or above it) to `high`."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+            within = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"must be {within}, got {text}")
+        return value
+    return parse
+
+
 def parser(doc, timeout_s=120):
     """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -77,7 +93,8 @@ def parser(doc, timeout_s=120):
     p.error = error
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
-    p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
+    p.add_argument("--timeout-s", type=number(float, 1, 30 * 86400), default=timeout_s,
+                   help="how long a rank waits for a dead or stuck peer")
     return p
 
 
@@ -108,8 +125,6 @@ def setup(args, min_world=2):
     RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if WORLD < min_world:
         raise UsageError(f"needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
-    if args.timeout_s <= 0:
-        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
     n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
     device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
                                           int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -138,7 +153,8 @@ def run(main, parse_args):
         where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
         if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
             raise  # a bug in this rank's own code keeps its traceback
-        log(f"error: lost a peer ({text.strip().splitlines()[0][:160]})")
+        what = "timed out waiting for a peer" if "timed out" in text.lower() else "lost a peer"
+        log(f"error: {what} ({text.strip().splitlines()[0][:160]})")
         os._exit(1)  # no teardown: it would wait for the dead peer
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -735,7 +751,10 @@ def load_texts(args, local_rank):
             dist.barrier()
     if args.text_column not in ds.column_names:
         raise UsageError(f"--text-column {args.text_column!r} not in the dataset's columns {ds.column_names}")
-    return [t for t in ds[args.text_column] if t]
+    texts = [t for t in ds[args.text_column] if t]
+    if not texts:
+        raise UsageError(f"--dataset {args.dataset!r} holds no text")
+    return texts
 
 
 def tokenize(texts, tok):
@@ -777,87 +796,63 @@ def batches_from(dataset, sampler_epoch_len, args, start_micro):
             micro += 1
 
 
-# --- model, checkpoints ---
-def build_model(args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+# --- model ---
+def build_model(args, device):
+    """(tokenizer, model), the model in float32 on the CPU. What cannot fit or cannot run is refused first."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
     if args.model:
         try:
-            tok = AutoTokenizer.from_pretrained(args.model)
-            model = AutoModelForCausalLM.from_pretrained(args.model).float()  # fp32 master weights
-        except Exception as e:  # missing, empty, corrupt weights, a broken config: one line, on every rank alike
+            tok, cfg = AutoTokenizer.from_pretrained(args.model), AutoConfig.from_pretrained(args.model)
+        except Exception as e:  # missing, empty, a broken config: one line, on every rank alike
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise UsageError(f"cannot load --model {args.model!r}: {reason}") from None
+        if len(tok) < 2 or not tok("a b").input_ids:  # transformers returns an empty one when there is none
+            raise UsageError(f"--model {args.model!r} has no tokenizer: save one beside the model (tokenizer.json)")
     else:
         tok = byte_tokenizer()
-        # The same seed on every rank gives identical replicas before any broadcast; ManualDDP broadcasts
-        # rank 0's weights anyway, and verify=True would check this instead.
-        torch.manual_seed(args.seed)
         # gelu_pytorch_tanh: the same function as GPT-2's gelu_new, as one fused kernel instead of ~8 on a GPU.
         cfg = GPT2Config(vocab_size=len(tok), n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer,
                          n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                          activation_function="gelu_pytorch_tanh",
                          bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
-        model = GPT2LMHeadModel(cfg)
-    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     if limit and args.seq_len > limit:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {limit} positions")
+    # A lower bound of the memory a rank needs: the embeddings (weights, gradients, AdamW's two moments: 16 bytes
+    # an element) and one micro-batch's logits in float32.
+    embeddings = (cfg.vocab_size + (limit or 0)) * cfg.hidden_size
+    check_memory(16 * embeddings + 4 * args.batch_size * args.seq_len * cfg.vocab_size,
+               f"--batch-size {args.batch_size} x --seq-len {args.seq_len}", device)
+    if args.model:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(args.model).float()  # fp32 master weights
+        except Exception as e:  # missing or corrupt weights
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise UsageError(f"cannot load --model {args.model!r}: {reason}") from None
+    else:
+        # The same seed on every rank gives identical replicas before any broadcast; ManualDDP broadcasts
+        # rank 0's weights anyway, and verify=True would check this instead.
+        torch.manual_seed(args.seed)
+        model = GPT2LMHeadModel(cfg)
     return tok, model
 
 
-def claim(out):
-    """Global rank 0 takes --out for this run, or every rank stops: two runs writing one --out would prune and
-    overwrite each other's checkpoints. The kernel drops an flock when its process dies, even by SIGKILL, so a
-    crashed run never leaves a stale lock behind. Returns the open lock file: keep it for the whole run."""
-    lock, error = None, [None]
-    if RANK == 0:
-        os.makedirs(out, exist_ok=True)
-        lock = open(os.path.join(out, ".lock"), "w")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            error[0] = f"--out {out} is in use by another run (it holds {out}/.lock): wait for it or pick another"
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise UsageError(error[0])
-    return lock
-
-
-def checkpoints(out):
-    """The checkpoint-STEP directories in ``out``, oldest first."""
-    names = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()]
-    return sorted(names, key=lambda d: int(d.split("-")[1]))
-
-
-def resume_state(out, device):
-    """(path, state) of the newest checkpoint in --out that loads, on every rank; (None, None) if there is none.
-
-    Global rank 0 chooses and tells the others, so that all resume from the same step. A checkpoint that does not
-    load (a disk fault, a copy cut short) is skipped with a warning and left in place for inspection. Called before
-    the model and data are built, so that a rank that cannot read it stops the run at once, not minutes later.
-    """
-    state, choice = None, [None]
-    names = checkpoints(out) if RANK == 0 and out and os.path.isdir(out) else []
-    for name in reversed(names):
-        try:
-            state = torch.load(os.path.join(out, name, "state.pt"), map_location=device, weights_only=True)
-            choice[0] = os.path.join(out, name)
-            break
-        except Exception as e:
-            print0(f"warning: skipped {os.path.join(out, name)}: it does not load ({type(e).__name__}); left as is")
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return None, None
-    error = None
-    if RANK != 0:  # on several nodes every rank must see rank 0's --out (a shared filesystem)
-        try:
-            state = torch.load(os.path.join(choice[0], "state.pt"), map_location=device, weights_only=True)
-        except Exception as e:
-            error = f"rank {RANK} cannot read {choice[0]} ({type(e).__name__}): every node must see rank 0's --out"
-    errors = [None] * WORLD
-    dist.all_gather_object(errors, error)  # all stop together, none left waiting in a collective
-    if any(errors):
-        raise UsageError(next(e for e in errors if e))
-    return choice[0], state
+def check_memory(nbytes, what, device):
+    """One line before the work if `what` cannot fit: `nbytes`, a lower bound of what it needs, against this rank's
+    share of its device's free memory (a node's RAM and a shared GPU are split between their ranks)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device.type == "cuda":
+        free, sharing = torch.cuda.mem_get_info(device)[0], -(-local_world // torch.cuda.device_count())
+    else:
+        free, sharing = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), local_world
+        if os.path.exists("/proc/meminfo"):  # Linux says what is available: free, and cache it can drop
+            with open("/proc/meminfo") as f:
+                free = next((int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")), free)
+    share = torch.tensor([free / sharing], dtype=torch.float64, device=device)
+    dist.all_reduce(share, op=dist.ReduceOp.MIN)  # the smallest share decides, so every rank decides alike
+    if nbytes > share.item():
+        raise UsageError(f"{what} would need at least {nbytes / 2**30:,.1f} GiB, more than this rank's share of "
+                         f"{device.type} memory ({share.item() / 2**30:,.1f} GiB)")
 
 
 def check_fits(path, state, model):
@@ -869,26 +864,6 @@ def check_fits(path, state, model):
             ours = tuple(mine[key].shape) if key in mine else "nothing"
             raise UsageError(f"{path} was written for another model: it holds {theirs} for {key}, this run's "
                              f"model {ours}. Use the flags that wrote it, or another --out")
-
-
-def save_checkpoint(out, step, state, keep):
-    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it).
-
-    Written into a temporary directory, fsynced, then renamed: a crash mid-write leaves the previous
-    checkpoint intact and never a half-written one under a checkpoint-STEP name.
-    """
-    final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
-    if os.path.exists(final):  # only a damaged one can be newer than where we resumed: keep it, renamed
-        os.replace(final, f"{final}.damaged-{int(time.time())}")
-    os.makedirs(tmp, exist_ok=True)
-    with open(os.path.join(tmp, "state.pt"), "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    # Prune: the newest `keep` checkpoints stay, and so does nothing a crash may have left half-written.
-    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-checkpoint-")]:
-        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
 
 
 def lr_factor(step, args):
@@ -948,12 +923,121 @@ def wrap(model, impl, args, device):
     return model
 
 
+# --- checkpoints: the same block in 05, 06 and 08, one contract for every --out ---
+def claim(out, owner):
+    """Global rank 0 takes --out for this run, or every rank stops with one line. Two runs into one --out would
+    overwrite each other: an flock keeps the second out (the kernel drops it when its process dies, even by
+    SIGKILL, so a crash leaves no stale lock). And a run never writes over what another script or another model
+    left: owner.json says who writes here. Returns the open lock file: keep it for the whole run."""
+    lock, error = None, [None]
+    if RANK == 0:
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, ".lock")
+        existed, lock = os.path.exists(path), open(path, "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            error[0] = not_ours(out, owner)
+            if error[0] and not existed:  # leave a directory that is not ours as we found it
+                os.remove(path)
+        except BlockingIOError:
+            error[0] = f"--out {out} is in use by another run (it holds {out}/.lock): wait for it or pick another"
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UsageError(error[0])
+    return lock
+
+
+def not_ours(out, owner):
+    """Why this run must not write into `out` (the files of another script, or of another model), or None."""
+    path = os.path.join(out, "owner.json")
+    if not os.path.exists(path):
+        theirs = sorted(set(os.listdir(out)) - {".lock"})
+        if theirs:
+            return (f"--out {out} holds files that no run of {owner['script']} wrote ({', '.join(theirs[:3])}"
+                    f"{', ...' if len(theirs) > 3 else ''}): pick a new or empty directory")
+        with open(path + ".tmp", "w") as f:
+            json.dump(owner, f, indent=1)
+        os.replace(path + ".tmp", path)
+        return None
+    try:
+        with open(path) as f:
+            theirs = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{path} does not load ({type(e).__name__}): pick another --out"
+    if theirs.get("script") != owner["script"]:
+        return f"--out {out} belongs to {theirs.get('script')} (its {path}): pick another --out"
+    for key, value in owner.items():
+        if theirs.get(key) != value:
+            return (f"--out {out} holds a model with {key} {theirs.get(key)}, this run has {value}: use the "
+                    "flags that wrote it, or another --out")
+    return None
+
+
+def checkpoints(out):
+    """The checkpoint-STEP directories in ``out``, oldest first."""
+    names = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()]
+    return sorted(names, key=lambda d: int(d.split("-")[1]))
+
+
+def resume_state(out):
+    """(path, state) of the newest checkpoint in --out that loads, on every rank; (None, None) if there is none.
+
+    Global rank 0 chooses and tells the others, so that all resume from the same step. A checkpoint that does not
+    load (a disk fault, a copy cut short) is skipped with a warning and kept, renamed out of the way of the saves
+    and their pruning. Mapped, not read: a rank reads only the pages of what it uses. Called before the model and
+    data are built, so that a rank that cannot read it stops the run at once, not minutes later.
+    """
+    state, choice = None, [None]
+    names = checkpoints(out) if RANK == 0 and out and os.path.isdir(out) else []
+    for name in reversed(names):
+        try:
+            state = torch.load(os.path.join(out, name, "state.pt"), map_location="cpu", weights_only=True, mmap=True)
+            choice[0] = os.path.join(out, name)
+            break
+        except Exception as e:
+            kept = f"{os.path.join(out, name)}.damaged-{int(time.time())}"
+            os.replace(os.path.join(out, name), kept)
+            print0(f"warning: skipped {os.path.join(out, name)}: it does not load ({type(e).__name__}); kept as {kept}")
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None, None
+    error = None
+    if RANK != 0:  # on several nodes every rank must see rank 0's --out (a shared filesystem)
+        try:
+            state = torch.load(os.path.join(choice[0], "state.pt"), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            error = f"rank {RANK} cannot read {choice[0]} ({type(e).__name__}): every node must see rank 0's --out"
+    errors = [None] * WORLD
+    dist.all_gather_object(errors, error)  # all stop together, none left waiting in a collective
+    if any(errors):
+        raise UsageError(next(e for e in errors if e))
+    return choice[0], state
+
+
+def save_checkpoint(out, step, state, keep):
+    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it).
+
+    Written into a temporary directory, fsynced, then renamed: a crash mid-write leaves the previous
+    checkpoint intact and never a half-written one under a checkpoint-STEP name.
+    """
+    final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, "state.pt"), "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    # Prune: the newest `keep` checkpoints stay, and so does nothing a crash may have left half-written.
+    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-checkpoint-")]:
+        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+
+
 # --- training ---
 def train(args, device, local_rank):
     from tqdm import tqdm
     # Read before the model and data are built: a rank that cannot read it stops the run at once.
-    ckpt_path, ckpt = resume_state(args.out, device)
-    tok, model = build_model(args)
+    ckpt_path, ckpt = resume_state(args.out)
+    tok, model = build_model(args, device)
     ids = tokenize(load_texts(args, local_rank), tok)
     data = Blocks(ids, args.seq_len)
     per_epoch = (len(data) // WORLD) // args.batch_size  # micro-batches per rank per epoch
@@ -978,7 +1062,8 @@ def train(args, device, local_rank):
     if ckpt:
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
-        scaler.load_state_dict(ckpt["scaler"])
+        if ckpt["scaler"] or not scaler.is_enabled():  # an fp32 or bf16 run saved none: fp16 starts a new scale
+            scaler.load_state_dict(ckpt["scaler"])
         start = ckpt["step"]
         if ckpt["world_size"] != WORLD:
             print0(f"warning: checkpoint written by {ckpt['world_size']} ranks, now {WORLD}: the data order differs")
@@ -1053,6 +1138,8 @@ def train(args, device, local_rank):
                 mean = torch.stack(losses).mean()
                 dist.all_reduce(mean)
                 last_loss = mean.item() / WORLD
+                if not math.isfinite(last_loss):  # every rank holds the same mean: all stop here, together
+                    raise UsageError(f"training diverged: loss {last_loss} at step {step + 1} (try a smaller --lr)")
                 first_loss = last_loss if first_loss is None else first_loss
                 dt = (time.perf_counter() - t_log) / len(losses)
                 line = (f"step {step + 1:>5}/{args.max_steps} | loss {last_loss:7.4f} "
@@ -1071,15 +1158,17 @@ def finish(args, tok, model, device, first_loss, last_loss):
     flat = torch.cat([p.detach().flatten().float() for p in model.parameters()])
     ref = flat.clone()
     dist.broadcast(ref, src=0)
-    same = torch.tensor([float(torch.equal(ref, flat))], device=device)
+    same = torch.tensor([float(torch.equal(ref, flat)), float(flat.isfinite().all())], device=device)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    if not same[1].item():  # NaN equals nothing, itself included: say what really happened
+        raise UsageError("training diverged: the weights are not finite (try a smaller --lr)")
     if args.out and RANK == 0:  # global rank 0 only: one writer
         model.save_pretrained(args.out)
         tok.save_pretrained(args.out)
         print0(f"saved model and tokenizer to {args.out} (AutoModelForCausalLM.from_pretrained loads it)")
     if RANK == 0 and args.sample_tokens > 0:
         sample(args, tok, model, device)
-    if not same.item():
+    if not same[0].item():
         raise RuntimeError("replicas diverged: weights differ across ranks")
     if first_loss is not None:
         trend = "fell" if last_loss < first_loss else "did NOT fall"
@@ -1112,7 +1201,11 @@ def main(args):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} impl={args.impl} "
            f"precision={args.precision} torch={torch.__version__}")
-    lock = claim(args.out) if args.out else None  # held until this run ends
+    # What makes a checkpoint in --out fit this run: the model, and the shape of the default one.
+    owner = {"script": os.path.basename(__file__), "model": args.model or "GPT-2 from scratch"}
+    if not args.model:
+        owner.update(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, seq_len=args.seq_len)
+    lock = claim(args.out, owner) if args.out else None  # held until this run ends
     import transformers
     transformers.logging.set_verbosity_error()  # long documents trigger a harmless length warning
     transformers.utils.logging.disable_progress_bar()
@@ -1124,83 +1217,85 @@ def main(args):
 
 def parse_args(argv=None):
     p = parser(__doc__, timeout_s=300)
+    count, positive, at_least_0 = number(int, 1), number(float, 0, above=True), number(float, 0)
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help="HF causal LM name or local dir; default: a small GPT-2 from scratch")
-    g.add_argument("--n-layer", type=int, default=4, help="default model only")
-    g.add_argument("--n-embd", type=int, default=128, help="default model only")
-    g.add_argument("--n-head", type=int, default=4, help="default model only")
+    g.add_argument("--n-layer", type=count, default=4, help="default model only")
+    g.add_argument("--n-embd", type=count, default=128, help="default model only")
+    g.add_argument("--n-head", type=count, default=4, help="default model only")
     g.add_argument("--dataset", default="stdlib",
                    help="'stdlib' (Python's sources), local files/dir/glob, or a HF dataset name")
     g.add_argument("--dataset-config", default=None, help="HF dataset config, e.g. wikitext-2-raw-v1")
     g.add_argument("--split", default="train", help="HF dataset split")
     g.add_argument("--text-column", default="text", help="column holding the text")
-    g.add_argument("--stdlib-files", type=int, default=40, help="how many stdlib .py files --dataset stdlib reads")
+    g.add_argument("--stdlib-files", type=count, default=40, help="how many stdlib .py files --dataset stdlib reads")
     g = p.add_argument_group("training")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (no_sync between)")
-    g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    g.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
-    g.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    g.add_argument("--warmup-steps", type=int, default=30, help="linear warm-up steps before cosine decay")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
-    g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the synced gradient norm (0: off)")
+    g.add_argument("--batch-size", type=count, default=8, help="sequences per rank per micro-batch")
+    g.add_argument("--grad-accum", type=count, default=1, help="micro-batches per optimizer step (no_sync between)")
+    g.add_argument("--seq-len", type=count, default=128, help="tokens per sequence")
+    g.add_argument("--max-steps", type=count, default=300, help="optimizer steps")
+    g.add_argument("--lr", type=positive, default=2e-3, help="peak learning rate")
+    g.add_argument("--warmup-steps", type=number(int, 0), default=30, help="linear warm-up steps before cosine decay")
+    g.add_argument("--weight-decay", type=at_least_0, default=0.1, help="AdamW weight decay")
+    g.add_argument("--max-grad-norm", type=at_least_0, default=1.0, help="clip the synced gradient norm (0: off)")
     g.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="autocast dtype; auto: bf16 on a GPU that has it, fp32 on the CPU (exact, as the tests check)")
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block (overlap kept)")
-    g.add_argument("--peak-tflops", type=float, default=None,
+    g.add_argument("--peak-tflops", type=positive, default=None,
                    help="the GPU's peak TFLOP/s at --precision, for MFU (known for some GPUs in bf16)")
-    g.add_argument("--seed", type=int, default=0, help="model init (same on all ranks) and data order")
+    g.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0,
+                   help="model init (same on all ranks) and data order")
     g = p.add_argument_group("DDP")
     g.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual", help="whose DDP")
-    g.add_argument("--bucket-cap-mb", type=float, default=None,
+    g.add_argument("--bucket-cap-mb", type=number(float, 0, 2**20, above=True), default=None,
                    help="gradient bucket size (default: PyTorch's, 25 MiB with a 1 MiB first bucket)")
     g.add_argument("--comm-hook", choices=["none", "bf16"], default="none",
                    help="bf16: gradients travel as bfloat16 (half the bytes), via a DDP communication hook")
     g = p.add_argument_group("checkpoints, output")
     g.add_argument("--out", default=None, help="checkpoint dir: resume from it, save to it, final save_pretrained")
-    g.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
-    g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept")
-    g.add_argument("--log-every", type=int, default=25, help="steps between loss lines")
+    g.add_argument("--ckpt-every", type=count, default=50, help="steps between checkpoints")
+    g.add_argument("--keep-checkpoints", type=count, default=2, help="newest checkpoints kept")
+    g.add_argument("--log-every", type=count, default=25, help="steps between loss lines")
     g.add_argument("--profile", default=None, help="write a torch.profiler trace of steps 3-5 per rank here")
     g.add_argument("--prompt", default="def ", help="start of the generated sample")
-    g.add_argument("--sample-tokens", type=int, default=120, help="tokens generated at the end (0: none)")
+    g.add_argument("--sample-tokens", type=number(int, 0), default=120, help="tokens generated at the end (0: none)")
     g.add_argument("--crash-at-step", type=int, default=-1,
                    help="demo: SIGKILL the last rank at this step, first attempt only")
     args = p.parse_args(argv)
     # Every value is checked here, before any process group or file: a bad one costs one line, not a run.
-    flag = {name: "--" + name.replace("_", "-") for name in vars(args)}
-    for name in ("batch_size", "grad_accum", "seq_len", "max_steps", "ckpt_every", "keep_checkpoints", "log_every",
-                 "n_layer", "n_embd", "n_head", "stdlib_files"):
-        if getattr(args, name) < 1:
-            p.error(f"{flag[name]} must be >= 1, got {getattr(args, name)}")
-    for name in ("lr", "bucket_cap_mb", "peak_tflops"):
-        if getattr(args, name) is not None and not getattr(args, name) > 0:
-            p.error(f"{flag[name]} must be > 0, got {getattr(args, name)}")
-    for name in ("warmup_steps", "weight_decay", "max_grad_norm", "sample_tokens"):
-        if not getattr(args, name) >= 0:
-            p.error(f"{flag[name]} must be >= 0, got {getattr(args, name)}")
     if args.comm_hook != "none" and args.impl == "naive":
         p.error("--comm-hook needs a DDP to hook into: --impl manual or torch")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
-    for name in ("out", "profile"):
-        if getattr(args, name) and unwritable(getattr(args, name)):
-            p.error(f"{flag[name]} {getattr(args, name)}: {unwritable(getattr(args, name))}")
     for name in ("model", "dataset"):  # a local path (not a Hugging Face name) that is not there
         path = getattr(args, name) or ""
         if path.startswith(("/", ".", "~")) and not glob.glob(os.path.expanduser(path)):
-            p.error(f"{flag[name]} {path!r}: no such file or directory")
+            p.error(f"--{name} {path!r}: no such file or directory")
+    for flag, path in (("--out", args.out), ("--profile", args.profile)):  # last: they make the directories
+        if path and not_a_directory(path):
+            p.error(f"{flag} {path}: {not_a_directory(path)}")
     return args
 
 
-def unwritable(path):
-    """Why this run could not write into directory `path` (made if missing), or None."""
+def a_file_on_the_way(path):
+    """The file that stands where directory `path` or one of its parents should be, or None."""
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"{existing} is a file, not a directory"
-    return None if os.access(existing, os.W_OK | os.X_OK) else f"{existing} is not writable"
+    return None if os.path.isdir(existing) else existing
+
+
+def not_a_directory(path):
+    """Why this run cannot write into directory `path`, or None. Decided by trying: it makes the directory (and
+    writes nothing in it); permission bits can say yes where the kernel says no (a path under /proc as root)."""
+    if a_file_on_the_way(path):
+        return f"{a_file_on_the_way(path)} is a file, not a directory"
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        return f"cannot write there ({e.strerror or type(e).__name__})"
+    return None
 
 
 if __name__ == "__main__":

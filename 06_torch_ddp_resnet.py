@@ -19,10 +19,14 @@ Run it (MNIST is downloaded into --data-dir on first use; --dataset fake needs n
 import argparse
 import fcntl
 import functools
+import json
+import math
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -35,6 +39,7 @@ import torch.nn as nn
 SGD_MOMENTUM, WEIGHT_DECAY = 0.9, 5e-4  # the usual ResNet recipe
 ONE_CYCLE_WARMUP = 0.2  # fraction of all steps spent raising the learning rate to --lr
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # of the training images' pixels, to normalise them
+KEEP_CHECKPOINTS = 2  # the newest two: if the last one is damaged, the one before it costs an epoch, not the run
 
 # --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
 RANK, WORLD = 0, 1
@@ -56,6 +61,20 @@ def log(*msg):
     sys.stdout.flush()
 
 
+def number(kind, low, high=math.inf, above=False):
+    """The argparse type of every numeric flag: a finite int or float from `low` (or above it) to `high`."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+            within = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"must be {within}, got {text}")
+        return value
+    return parse
+
+
 def parser(doc, timeout_s=120):
     """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -65,7 +84,8 @@ def parser(doc, timeout_s=120):
     p.error = error
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
-    p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
+    p.add_argument("--timeout-s", type=number(float, 1, 30 * 86400), default=timeout_s,
+                   help="how long a rank waits for a dead or stuck peer")
     return p
 
 
@@ -96,8 +116,6 @@ def setup(args, min_world=2):
     RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if WORLD < min_world:
         raise UsageError(f"needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
-    if args.timeout_s <= 0:
-        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
     n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
     device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
                                           int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -126,7 +144,8 @@ def run(main, parse_args):
         where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
         if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
             raise  # a bug in this rank's own code keeps its traceback
-        log(f"error: lost a peer ({text.strip().splitlines()[0][:160]})")
+        what = "timed out waiting for a peer" if "timed out" in text.lower() else "lost a peer"
+        log(f"error: {what} ({text.strip().splitlines()[0][:160]})")
         os._exit(1)  # no teardown: it would wait for the dead peer
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -202,21 +221,45 @@ class InMemory:
             yield self.x[take], self.y[take]
 
 
+def check_memory(nbytes, what, device):
+    """One line before the work if `what` cannot fit: `nbytes`, a lower bound of what it needs, against this rank's
+    share of its device's free memory (a node's RAM and a shared GPU are split between their ranks)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device.type == "cuda":
+        free, sharing = torch.cuda.mem_get_info(device)[0], -(-local_world // torch.cuda.device_count())
+    else:
+        free, sharing = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), local_world
+        if os.path.exists("/proc/meminfo"):  # Linux says what is available: free, and cache it can drop
+            with open("/proc/meminfo") as f:
+                free = next((int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")), free)
+    share = torch.tensor([free / sharing], dtype=torch.float64, device=device)
+    dist.all_reduce(share, op=dist.ReduceOp.MIN)  # the smallest share decides, so every rank decides alike
+    if nbytes > share.item():
+        raise UsageError(f"{what} would need at least {nbytes / 2**30:,.1f} GiB, more than this rank's share of "
+                         f"{device.type} memory ({share.item() / 2**30:,.1f} GiB)")
+
+
 def first(dataset, n):
     """The first n samples (all if n is 0): a quick run on a slice of the data."""
     return torch.utils.data.Subset(dataset, range(min(n, len(dataset)))) if n else dataset
 
 
-# --- checkpoints ---
-def claim(out):
-    """Global rank 0 takes --out for this run, or every rank stops: two runs would overwrite each other's
-    checkpoints. The kernel drops an flock when its process dies, even by SIGKILL: no stale lock after a crash."""
+# --- checkpoints: the same block in 05, 06 and 08, one contract for every --out ---
+def claim(out, owner):
+    """Global rank 0 takes --out for this run, or every rank stops with one line. Two runs into one --out would
+    overwrite each other: an flock keeps the second out (the kernel drops it when its process dies, even by
+    SIGKILL, so a crash leaves no stale lock). And a run never writes over what another script or another model
+    left: owner.json says who writes here. Returns the open lock file: keep it for the whole run."""
     lock, error = None, [None]
     if RANK == 0:
         os.makedirs(out, exist_ok=True)
-        lock = open(os.path.join(out, ".lock"), "w")
+        path = os.path.join(out, ".lock")
+        existed, lock = os.path.exists(path), open(path, "a")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            error[0] = not_ours(out, owner)
+            if error[0] and not existed:  # leave a directory that is not ours as we found it
+                os.remove(path)
         except BlockingIOError:
             error[0] = f"--out {out} is in use by another run (it holds {out}/.lock): wait for it or pick another"
     dist.broadcast_object_list(error, src=0)
@@ -225,44 +268,89 @@ def claim(out):
     return lock
 
 
-def save_atomic(obj, path, keep_previous=False):
-    """Global rank 0 only. Temp file, fsync, rename: a crash mid-write never leaves a torn checkpoint.
-    keep_previous: the file it replaces stays as .prev, so a damaged newest one costs an epoch, not the run."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    if keep_previous and os.path.exists(path):
-        os.replace(path, f"{path}.prev")
-    os.replace(tmp, path)
+def not_ours(out, owner):
+    """Why this run must not write into `out` (the files of another script, or of another model), or None."""
+    path = os.path.join(out, "owner.json")
+    if not os.path.exists(path):
+        theirs = sorted(set(os.listdir(out)) - {".lock"})
+        if theirs:
+            return (f"--out {out} holds files that no run of {owner['script']} wrote ({', '.join(theirs[:3])}"
+                    f"{', ...' if len(theirs) > 3 else ''}): pick a new or empty directory")
+        with open(path + ".tmp", "w") as f:
+            json.dump(owner, f, indent=1)
+        os.replace(path + ".tmp", path)
+        return None
+    try:
+        with open(path) as f:
+            theirs = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{path} does not load ({type(e).__name__}): pick another --out"
+    if theirs.get("script") != owner["script"]:
+        return f"--out {out} belongs to {theirs.get('script')} (its {path}): pick another --out"
+    for key, value in owner.items():
+        if theirs.get(key) != value:
+            return (f"--out {out} holds a model with {key} {theirs.get(key)}, this run has {value}: use the "
+                    "flags that wrote it, or another --out")
+    return None
 
 
-def resume_state(out, device):
-    """The newest checkpoint in --out that loads, on every rank (rank 0 chooses), or (None, None)."""
+def checkpoints(out):
+    """The checkpoint-STEP directories in ``out``, oldest first."""
+    names = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()]
+    return sorted(names, key=lambda d: int(d.split("-")[1]))
+
+
+def resume_state(out):
+    """(path, state) of the newest checkpoint in --out that loads, on every rank; (None, None) if there is none.
+
+    Global rank 0 chooses and tells the others, so that all resume from the same step. A checkpoint that does not
+    load (a disk fault, a copy cut short) is skipped with a warning and kept, renamed out of the way of the saves
+    and their pruning. Mapped, not read: a rank reads only the pages of what it uses. Called before the model and
+    data are built, so that a rank that cannot read it stops the run at once, not minutes later.
+    """
     state, choice = None, [None]
-    names = ("checkpoint.pt", "checkpoint.pt.prev") if RANK == 0 and out else ()
-    for path in [os.path.join(out, name) for name in names]:
+    names = checkpoints(out) if RANK == 0 and out and os.path.isdir(out) else []
+    for name in reversed(names):
         try:
-            state = torch.load(path, map_location=device, weights_only=True) if os.path.exists(path) else None
-        except Exception as e:  # kept for inspection, out of the way of the next save's rotation
-            os.replace(path, f"{path}.damaged-{int(time.time())}")
-            print0(f"warning: skipped {path}: it does not load ({type(e).__name__}); kept as {path}.damaged-*")
-        if state is not None:
-            choice[0] = path
+            state = torch.load(os.path.join(out, name, "state.pt"), map_location="cpu", weights_only=True, mmap=True)
+            choice[0] = os.path.join(out, name)
             break
+        except Exception as e:
+            kept = f"{os.path.join(out, name)}.damaged-{int(time.time())}"
+            os.replace(os.path.join(out, name), kept)
+            print0(f"warning: skipped {os.path.join(out, name)}: it does not load ({type(e).__name__}); kept as {kept}")
     dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None, None
     error = None
-    if choice[0] and RANK != 0:  # map_location: the file holds rank 0's device; each rank loads onto its own
+    if RANK != 0:  # on several nodes every rank must see rank 0's --out (a shared filesystem)
         try:
-            state = torch.load(choice[0], map_location=device, weights_only=True)
+            state = torch.load(os.path.join(choice[0], "state.pt"), map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:
             error = f"rank {RANK} cannot read {choice[0]} ({type(e).__name__}): every node must see rank 0's --out"
     errors = [None] * WORLD
-    dist.all_gather_object(errors, error)
+    dist.all_gather_object(errors, error)  # all stop together, none left waiting in a collective
     if any(errors):
         raise UsageError(next(e for e in errors if e))
     return choice[0], state
+
+
+def save_checkpoint(out, step, state, keep):
+    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it).
+
+    Written into a temporary directory, fsynced, then renamed: a crash mid-write leaves the previous
+    checkpoint intact and never a half-written one under a checkpoint-STEP name.
+    """
+    final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, "state.pt"), "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    # Prune: the newest `keep` checkpoints stay, and so does nothing a crash may have left half-written.
+    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-checkpoint-")]:
+        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
 
 
 # --- training and validation ---
@@ -296,10 +384,14 @@ def main(args):
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} precision={args.precision} "
            f"torch={torch.__version__}")
     train_set, val_set = load_data(args, local_rank)
+    # At least: DistributedSampler's permutation of the indices (a tensor, then a list: ~44 bytes an index), and
+    # with the data in memory each 28x28 image as floats.
+    in_memory = args.input == "memory" or (args.input == "auto" and device.type == "cuda")
+    check_memory((44 + 3136 * in_memory) * (len(train_set) + len(val_set)), f"{len(train_set):,} images", device)
     # Same seed everywhere: one permutation, cut into disjoint shards. Validation is not shuffled; it is padded.
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
     val_sampler = DistributedSampler(val_set, shuffle=False)
-    if args.input == "memory" or (args.input == "auto" and device.type == "cuda"):
+    if in_memory:
         train_loader = InMemory(train_set, train_sampler, args.batch_size, device, drop_last=True)
         val_loader = InMemory(val_set, val_sampler, args.batch_size, device)
     else:  # worker processes decode batches ahead; pinned memory lets the copy to a GPU run asynchronously
@@ -331,8 +423,8 @@ def main(args):
     if args.precision == "fp16" and device.type == "cpu":
         print0("note: fp16 convolutions have no fast CPU kernels (minutes per step here): use bf16 on CPU")
 
-    lock = claim(args.out) if args.out else None  # held until this run ends
-    ckpt_path, ckpt = resume_state(args.out, device)
+    lock = claim(args.out, {"script": os.path.basename(__file__)}) if args.out else None  # held till the end
+    ckpt_path, ckpt = resume_state(args.out)
     start_epoch = 0
     if ckpt:
         try:
@@ -341,7 +433,8 @@ def main(args):
             raise UsageError(f"{ckpt_path} is not a checkpoint of this script's ResNet18 "
                              f"({str(e).strip().splitlines()[0][:150]}): use another --out") from None
         opt.load_state_dict(ckpt["optimizer"])
-        scaler.load_state_dict(ckpt["scaler"])
+        if ckpt["scaler"] or not scaler.is_enabled():  # an fp32 or bf16 run saved none: fp16 starts a new scale
+            scaler.load_state_dict(ckpt["scaler"])
         start_epoch = ckpt["epoch"]
         step = start_epoch * len(train_loader)
         if ckpt["scheduler"]["total_steps"] == total:
@@ -377,24 +470,31 @@ def main(args):
             step += 1
         train = torch.stack([loss_sum, torch.tensor(float(seen), device=device)])
         dist.all_reduce(train)
+        if not train[0].isfinite():  # the same sum on every rank: all stop here, together
+            raise UsageError(f"training diverged: loss {train[0].item()} in epoch {epoch + 1} (try a smaller --lr)")
         elapsed = time.perf_counter() - t0
         val_loss, val_acc, n_val = evaluate(ddp, val_loader, device, len(val_set), layout)
         print0(f"epoch {epoch + 1:>3}/{args.epochs} | train loss {(train[0] / train[1]).item():.4f} | val loss "
                f"{val_loss:.4f} | val acc {val_acc:.4f} ({n_val} samples) | {train[1].item() / elapsed:,.0f} samples/s")
         if args.out and RANK == 0:  # global rank 0: one writer, even with many nodes
-            save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                         "scaler": scaler.state_dict(), "epoch": epoch + 1}, os.path.join(args.out, "checkpoint.pt"),
-                        keep_previous=True)
+            save_checkpoint(args.out, epoch + 1, {
+                "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "scaler": scaler.state_dict(), "epoch": epoch + 1}, KEEP_CHECKPOINTS)
     if args.out and RANK == 0:
-        # The bare model's state dict (model, not ddp): no "module." prefix, loads into build_model().
-        save_atomic(model.state_dict(), os.path.join(args.out, "model.pt"))
-        print0(f"saved {os.path.join(args.out, 'model.pt')}")
+        # The bare model's state dict (model, not ddp): no "module." prefix, loads into build_model(). Written
+        # aside, then renamed: a crash never leaves half a file.
+        path = os.path.join(args.out, "model.pt")
+        torch.save(model.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        print0(f"saved {path}")
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     ref = flat.clone()
     dist.broadcast(ref, src=0)
-    same = torch.tensor([float(torch.equal(ref, flat))], device=device)
+    same = torch.tensor([float(torch.equal(ref, flat)), float(flat.isfinite().all())], device=device)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    if not same.item():
+    if not same[1].item():  # NaN equals nothing, itself included: say what really happened
+        raise UsageError("training diverged: the weights are not finite (try a smaller --lr)")
+    if not same[0].item():
         raise RuntimeError("replicas diverged: weights differ across ranks")
     print0(f"OK DDP ResNet18 on {WORLD} rank(s): replicas identical after {args.epochs} epoch(s)")
     if lock:
@@ -426,44 +526,55 @@ def main_or_spawn(args):
 
 def parse_args(argv=None):
     p = parser(__doc__, timeout_s=300)
+    count, at_least_0 = number(int, 1), number(int, 0)
     p.add_argument("--dataset", choices=["mnist", "fake"], default="mnist", help="fake: torchvision FakeData, offline")
     p.add_argument("--data-dir", default="data", help="torchvision's MNIST root")
-    p.add_argument("--max-train-samples", type=int, default=2000, help="first N training images (0: all 60,000)")
-    p.add_argument("--max-val-samples", type=int, default=1000, help="first N test images (0: all 10,000)")
-    p.add_argument("--fake-size", type=int, default=2000, help="training images with --dataset fake")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=0.05, help="peak learning rate (one-cycle schedule)")
+    p.add_argument("--max-train-samples", type=at_least_0, default=2000, help="first N training images (0: all 60,000)")
+    p.add_argument("--max-val-samples", type=at_least_0, default=1000, help="first N test images (0: all 10,000)")
+    p.add_argument("--fake-size", type=count, default=2000, help="training images with --dataset fake")
+    p.add_argument("--epochs", type=count, default=2)
+    p.add_argument("--batch-size", type=count, default=32, help="per rank")
+    p.add_argument("--lr", type=number(float, 0, above=True), default=0.05,
+                   help="peak learning rate (one-cycle schedule)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="autocast dtype")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (GPU only)")
     p.add_argument("--input", choices=["auto", "loader", "memory"], default="auto",
                    help="memory: decode the data once, batches indexed on the device; auto: memory on a GPU")
-    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (--input loader)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=number(int, 0, 256), default=0,
+                   help="DataLoader worker processes per rank (--input loader)")
+    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0)
     p.add_argument("--out", default=None, help="checkpoint every epoch, resume from it, final model.pt")
-    p.add_argument("--nproc", type=int, default=0, help="start this many local processes yourself (no torchrun)")
+    p.add_argument("--nproc", type=number(int, 0, 1024), default=0,
+                   help="start this many local processes yourself (no torchrun)")
     p.add_argument("--crash-at-step", type=int, default=-1,
                    help="demo: SIGKILL the last rank at this step, first attempt only")
     a = p.parse_args(argv)
-    if min(a.epochs, a.batch_size, a.fake_size) < 1 or min(a.max_train_samples, a.max_val_samples, a.workers,
-                                                                 a.nproc) < 0:
-        p.error("--epochs, --batch-size, --fake-size must be >= 1; sample limits, --workers, --nproc >= 0")
-    if not a.lr > 0:
-        p.error(f"--lr must be > 0, got {a.lr}")
-    for flag, path in (("--out", a.out), ("--data-dir", a.data_dir if a.dataset == "mnist" else None)):
-        if path and unwritable(path):
-            p.error(f"{flag} {path}: {unwritable(path)}")
+    if a.dataset == "mnist" and a_file_on_the_way(a.data_dir):
+        p.error(f"--data-dir {a.data_dir}: {a_file_on_the_way(a.data_dir)} is a file, not a directory")
+    if a.out and not_a_directory(a.out):  # last: it makes the directory
+        p.error(f"--out {a.out}: {not_a_directory(a.out)}")
     return a
 
 
-def unwritable(path):
-    """Why this run could not write into directory `path` (made if missing), or None."""
+def a_file_on_the_way(path):
+    """The file that stands where directory `path` or one of its parents should be, or None."""
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"{existing} is a file, not a directory"
-    return None if os.access(existing, os.W_OK | os.X_OK) else f"{existing} is not writable"
+    return None if os.path.isdir(existing) else existing
+
+
+def not_a_directory(path):
+    """Why this run cannot write into directory `path`, or None. Decided by trying: it makes the directory (and
+    writes nothing in it); permission bits can say yes where the kernel says no (a path under /proc as root)."""
+    if a_file_on_the_way(path):
+        return f"{a_file_on_the_way(path)} is a file, not a directory"
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        return f"cannot write there ({e.strerror or type(e).__name__})"
+    return None
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import contextlib
 import copy
 import ctypes
 import functools
+import math
 import os
 import sys
 import time
@@ -57,6 +58,20 @@ def log(*msg):
     sys.stdout.flush()
 
 
+def number(kind, low, high=math.inf, above=False):
+    """The argparse type of every numeric flag: a finite int or float from `low` (or above it) to `high`."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+            within = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"must be {within}, got {text}")
+        return value
+    return parse
+
+
 def parser(doc, timeout_s=120):
     """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -66,7 +81,8 @@ def parser(doc, timeout_s=120):
     p.error = error
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
-    p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
+    p.add_argument("--timeout-s", type=number(float, 1, 30 * 86400), default=timeout_s,
+                   help="how long a rank waits for a dead or stuck peer")
     return p
 
 
@@ -97,8 +113,6 @@ def setup(args, min_world=2):
     RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if WORLD < min_world:
         raise UsageError(f"needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
-    if args.timeout_s <= 0:
-        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
     n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
     device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
                                           int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -127,7 +141,8 @@ def run(main, parse_args):
         where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
         if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
             raise  # a bug in this rank's own code keeps its traceback
-        log(f"error: lost a peer ({text.strip().splitlines()[0][:160]})")
+        what = "timed out waiting for a peer" if "timed out" in text.lower() else "lost a peer"
+        log(f"error: {what} ({text.strip().splitlines()[0][:160]})")
         os._exit(1)  # no teardown: it would wait for the dead peer
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -395,6 +410,24 @@ def held_bytes(*tensor_lists):
             for ts in tensor_lists]
 
 
+def check_memory(nbytes, what, device):
+    """One line before the work if `what` cannot fit: `nbytes`, a lower bound of what it needs, against this rank's
+    share of its device's free memory (a node's RAM and a shared GPU are split between their ranks)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device.type == "cuda":
+        free, sharing = torch.cuda.mem_get_info(device)[0], -(-local_world // torch.cuda.device_count())
+    else:
+        free, sharing = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), local_world
+        if os.path.exists("/proc/meminfo"):  # Linux says what is available: free, and cache it can drop
+            with open("/proc/meminfo") as f:
+                free = next((int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")), free)
+    share = torch.tensor([free / sharing], dtype=torch.float64, device=device)
+    dist.all_reduce(share, op=dist.ReduceOp.MIN)  # the smallest share decides, so every rank decides alike
+    if nbytes > share.item():
+        raise UsageError(f"{what} would need at least {nbytes / 2**30:,.1f} GiB, more than this rank's share of "
+                         f"{device.type} memory ({share.item() / 2**30:,.1f} GiB)")
+
+
 def memory_status():
     """This process's memory counters from Linux (VmRSS, VmHWM, RssAnon, ...), in bytes."""
     with open("/proc/self/status") as f:
@@ -459,6 +492,10 @@ def check(runs, kinds, device, atol):
     or 2 ranks; README), else to ``atol``. One verdict for all ranks, so that all of them raise or none does."""
     exact = dist.get_backend() == "gloo" or WORLD <= 2
     ref = torch.cat([p.detach().reshape(-1) for p in runs[0]["model"].parameters()])
+    finite = torch.tensor([float(ref.isfinite().all())], device=device)
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if not finite.item():  # NaN equals nothing, itself included: say what really happened
+        raise UsageError("training diverged: DDP's weights are not finite (try a smaller --lr)")
     for kind in kinds[1:]:
         w = torch.cat([p.detach().reshape(-1) for p in runs[kind]["model"].parameters()])
         rank0 = w.clone()
@@ -479,6 +516,11 @@ def main(args):
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} torch={torch.__version__}")
     import transformers
     transformers.logging.set_verbosity_error()
+    # A lower bound of what a rank holds at once: the embeddings of the model and of the copy being trained
+    # (weights, gradients, AdamW's moments: 16 bytes an element), and one batch's logits in float32.
+    embeddings = (args.vocab_size + args.seq_len) * args.n_embd
+    check_memory(2 * 16 * embeddings + 4 * args.batch_size * args.seq_len * args.vocab_size,
+                 f"--vocab-size {args.vocab_size} x --seq-len {args.seq_len} x --batch-size {args.batch_size}", device)
     base = build_model(args, device)
     n = sum(p.numel() for p in base.parameters())
     print0(f"GPT-2: {n / 1e6:.2f}M parameters, {4 * n / 2**20:.1f} MiB in fp32, AdamW's state {8 * n / 2**20:.1f} MiB "
@@ -514,22 +556,23 @@ def main(args):
 
 def parse_args(argv=None):
     p = parser(__doc__)
+    count = number(int, 1)
     p.add_argument("--stage", type=int, choices=[1, 2], default=None, help="one ZeRO stage (default both; DDP always)")
-    p.add_argument("--steps", type=int, default=5, help="optimizer steps per run")
-    p.add_argument("--n-layer", type=int, default=4, help="GPT-2 layers")
-    p.add_argument("--n-embd", type=int, default=256, help="GPT-2 width, a multiple of 64 (one head per 64)")
-    p.add_argument("--vocab-size", type=int, default=4096, help="tokens in the vocabulary")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
-    p.add_argument("--bucket-cap-mb", type=float, default=1.0, help="gradient bucket size, for DDP and ZeRO alike")
-    p.add_argument("--lr", type=float, default=1e-3,
+    p.add_argument("--steps", type=count, default=5, help="optimizer steps per run")
+    p.add_argument("--n-layer", type=count, default=4, help="GPT-2 layers")
+    p.add_argument("--n-embd", type=number(int, 64), default=256, help="GPT-2 width, a multiple of 64 (a head each)")
+    p.add_argument("--vocab-size", type=count, default=4096, help="tokens in the vocabulary")
+    p.add_argument("--seq-len", type=count, default=128, help="tokens per sequence")
+    p.add_argument("--batch-size", type=count, default=4, help="sequences per rank per step")
+    p.add_argument("--bucket-cap-mb", type=number(float, 0, 2**20, above=True), default=1.0,
+                   help="gradient bucket size, for DDP and ZeRO alike")
+    p.add_argument("--lr", type=number(float, 0, above=True), default=1e-3,
                    help=f"AdamW learning rate (weight decay {WEIGHT_DECAY} on matrices)")
-    p.add_argument("--seed", type=int, default=0, help="model init (same on all ranks); the data adds the rank")
+    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0,
+                   help="model init (same on all ranks); the data adds the rank")
     args = p.parse_args(argv)
-    if min(args.steps, args.n_layer, args.vocab_size, args.seq_len, args.batch_size) < 1 or args.n_embd % 64:
-        p.error("--steps, --n-layer, --vocab-size, --seq-len, --batch-size must be >= 1, --n-embd a multiple of 64")
-    if not (args.lr > 0 and args.bucket_cap_mb > 0):
-        p.error("--lr and --bucket-cap-mb must be > 0")
+    if args.n_embd % 64:
+        p.error(f"--n-embd must be a multiple of 64 (one attention head per 64), got {args.n_embd}")
     return args
 
 

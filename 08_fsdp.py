@@ -18,12 +18,17 @@ beside this file) and PyTorch's fully_shard: held and sent bytes, peak memory, s
 import argparse
 import contextlib
 import ctypes
+import fcntl
 import gc
 import glob
 import importlib.util
+import json
+import math
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -32,12 +37,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 WEIGHT_DECAY = 0.1  # AdamW's, the same for all four implementations
 DATA_SEED_STRIDE = 1009  # batch seed = seed + stride * micro-batch + rank: a prime, so no two pairs share one
+KEEP_CHECKPOINTS = 2  # the newest two: a damaged last one costs --ckpt-every steps, not the run
 MMAP_THRESHOLD = 128 * 1024  # glibc: a tensor over this gets its own mmap, so freeing it shrinks the resident set
 
 # --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
@@ -60,6 +67,20 @@ def log(*msg):
     sys.stdout.flush()
 
 
+def number(kind, low, high=math.inf, above=False):
+    """The argparse type of every numeric flag: a finite int or float from `low` (or above it) to `high`."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+            within = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"must be {within}, got {text}")
+        return value
+    return parse
+
+
 def parser(doc, timeout_s=120):
     """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -69,7 +90,8 @@ def parser(doc, timeout_s=120):
     p.error = error
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
-    p.add_argument("--timeout-s", type=float, default=timeout_s, help="how long a rank waits for a dead or stuck peer")
+    p.add_argument("--timeout-s", type=number(float, 1, 30 * 86400), default=timeout_s,
+                   help="how long a rank waits for a dead or stuck peer")
     return p
 
 
@@ -100,8 +122,6 @@ def setup(args, min_world=2):
     RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if WORLD < min_world:
         raise UsageError(f"needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
-    if args.timeout_s <= 0:
-        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
     n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
     device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
                                           int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -130,7 +150,8 @@ def run(main, parse_args):
         where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
         if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
             raise  # a bug in this rank's own code keeps its traceback
-        log(f"error: lost a peer ({text.strip().splitlines()[0][:160]})")
+        what = "timed out waiting for a peer" if "timed out" in text.lower() else "lost a peer"
+        log(f"error: {what} ({text.strip().splitlines()[0][:160]})")
         os._exit(1)  # no teardown: it would wait for the dead peer
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -294,7 +315,9 @@ class Unit:
             # The mean, as fully_shard asks for it (AVG). NCCL reduce-scatters and divides in one go. gloo has no
             # reduce-scatter: its reduce_scatter_single all-reduces a copy of the whole buffer, keeps this rank's
             # row and divides it. The same all-reduce in place gives the same bits without the copy.
-            if self.gloo:
+            if self.world == 1:  # nothing to reduce (as fully_shard: NCCL before 2.29.7 botches a one-rank AVG)
+                out, work = rows[0], None
+            elif self.gloo:
                 out, work = None, dist.all_reduce(rows, group=self.group, async_op=True)
             else:
                 out = torch.empty(rows.shape[1], dtype=self.reduce_dtype, device=self.device)
@@ -326,7 +349,8 @@ class Unit:
 
     def finish_reduce(self):
         unit, work, rows, out, idx = self.pending.pop(0)
-        work.wait()
+        if work is not None:
+            work.wait()
         if out is None:  # gloo
             out = rows[unit.rank] / unit.world
         out, off = out.to(unit.dtype), 0  # the mean of this rank's chunks, in the shards' dtype
@@ -437,11 +461,15 @@ def build(impl, args, device, zero):
         return model, net, torch.optim.AdamW(model.parameters(), **adamw)
     dtype = {"fp32": None, "bf16": torch.bfloat16}[args.param_dtype]
     reshard = False if args.no_reshard_after_forward else None  # None: True, but False for the root
+    # A mesh on OUR device: without one, fully_shard builds it on the machine's accelerator (CUDA whenever a GPU
+    # exists, even under --device cpu) and moves the module there.
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     for m in [*model.transformer.h, model]:  # each block a unit, then the root
         if impl == "ours":
             fully_shard(m, param_dtype=dtype, reshard_after_forward=reshard)
         else:
-            torch_fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=dtype), reshard_after_forward=reshard)
+            torch_fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype),
+                              reshard_after_forward=reshard)
     return model, model, torch.optim.AdamW(model.parameters(), **adamw)
 
 
@@ -481,15 +509,134 @@ def peak_mib(device):
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
 
 
-def save_atomic(obj, path):
-    """Global rank 0 only. Temp file, fsync, rename: a crash mid-write never leaves a torn checkpoint."""
-    with open(path + ".tmp", "wb") as f:
-        torch.save(obj, f)
+def check_memory(nbytes, what, device):
+    """One line before the work if `what` cannot fit: `nbytes`, a lower bound of what it needs, against this rank's
+    share of its device's free memory (a node's RAM and a shared GPU are split between their ranks)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device.type == "cuda":
+        free, sharing = torch.cuda.mem_get_info(device)[0], -(-local_world // torch.cuda.device_count())
+    else:
+        free, sharing = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), local_world
+        if os.path.exists("/proc/meminfo"):  # Linux says what is available: free, and cache it can drop
+            with open("/proc/meminfo") as f:
+                free = next((int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")), free)
+    share = torch.tensor([free / sharing], dtype=torch.float64, device=device)
+    dist.all_reduce(share, op=dist.ReduceOp.MIN)  # the smallest share decides, so every rank decides alike
+    if nbytes > share.item():
+        raise UsageError(f"{what} would need at least {nbytes / 2**30:,.1f} GiB, more than this rank's share of "
+                         f"{device.type} memory ({share.item() / 2**30:,.1f} GiB)")
+
+
+# --- checkpoints: the same block in 05, 06 and 08, one contract for every --out ---
+def claim(out, owner):
+    """Global rank 0 takes --out for this run, or every rank stops with one line. Two runs into one --out would
+    overwrite each other: an flock keeps the second out (the kernel drops it when its process dies, even by
+    SIGKILL, so a crash leaves no stale lock). And a run never writes over what another script or another model
+    left: owner.json says who writes here. Returns the open lock file: keep it for the whole run."""
+    lock, error = None, [None]
+    if RANK == 0:
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, ".lock")
+        existed, lock = os.path.exists(path), open(path, "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            error[0] = not_ours(out, owner)
+            if error[0] and not existed:  # leave a directory that is not ours as we found it
+                os.remove(path)
+        except BlockingIOError:
+            error[0] = f"--out {out} is in use by another run (it holds {out}/.lock): wait for it or pick another"
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UsageError(error[0])
+    return lock
+
+
+def not_ours(out, owner):
+    """Why this run must not write into `out` (the files of another script, or of another model), or None."""
+    path = os.path.join(out, "owner.json")
+    if not os.path.exists(path):
+        theirs = sorted(set(os.listdir(out)) - {".lock"})
+        if theirs:
+            return (f"--out {out} holds files that no run of {owner['script']} wrote ({', '.join(theirs[:3])}"
+                    f"{', ...' if len(theirs) > 3 else ''}): pick a new or empty directory")
+        with open(path + ".tmp", "w") as f:
+            json.dump(owner, f, indent=1)
+        os.replace(path + ".tmp", path)
+        return None
+    try:
+        with open(path) as f:
+            theirs = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{path} does not load ({type(e).__name__}): pick another --out"
+    if theirs.get("script") != owner["script"]:
+        return f"--out {out} belongs to {theirs.get('script')} (its {path}): pick another --out"
+    for key, value in owner.items():
+        if theirs.get(key) != value:
+            return (f"--out {out} holds a model with {key} {theirs.get(key)}, this run has {value}: use the "
+                    "flags that wrote it, or another --out")
+    return None
+
+
+def checkpoints(out):
+    """The checkpoint-STEP directories in ``out``, oldest first."""
+    names = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()]
+    return sorted(names, key=lambda d: int(d.split("-")[1]))
+
+
+def resume_state(out):
+    """(path, state) of the newest checkpoint in --out that loads, on every rank; (None, None) if there is none.
+
+    Global rank 0 chooses and tells the others, so that all resume from the same step. A checkpoint that does not
+    load (a disk fault, a copy cut short) is skipped with a warning and kept, renamed out of the way of the saves
+    and their pruning. Mapped, not read: a rank reads only the pages of what it uses. Called before the model and
+    data are built, so that a rank that cannot read it stops the run at once, not minutes later.
+    """
+    state, choice = None, [None]
+    names = checkpoints(out) if RANK == 0 and out and os.path.isdir(out) else []
+    for name in reversed(names):
+        try:
+            state = torch.load(os.path.join(out, name, "state.pt"), map_location="cpu", weights_only=True, mmap=True)
+            choice[0] = os.path.join(out, name)
+            break
+        except Exception as e:
+            kept = f"{os.path.join(out, name)}.damaged-{int(time.time())}"
+            os.replace(os.path.join(out, name), kept)
+            print0(f"warning: skipped {os.path.join(out, name)}: it does not load ({type(e).__name__}); kept as {kept}")
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None, None
+    error = None
+    if RANK != 0:  # on several nodes every rank must see rank 0's --out (a shared filesystem)
+        try:
+            state = torch.load(os.path.join(choice[0], "state.pt"), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            error = f"rank {RANK} cannot read {choice[0]} ({type(e).__name__}): every node must see rank 0's --out"
+    errors = [None] * WORLD
+    dist.all_gather_object(errors, error)  # all stop together, none left waiting in a collective
+    if any(errors):
+        raise UsageError(next(e for e in errors if e))
+    return choice[0], state
+
+
+def save_checkpoint(out, step, state, keep):
+    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it).
+
+    Written into a temporary directory, fsynced, then renamed: a crash mid-write leaves the previous
+    checkpoint intact and never a half-written one under a checkpoint-STEP name.
+    """
+    final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, "state.pt"), "wb") as f:
+        torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, final)
+    # Prune: the newest `keep` checkpoints stay, and so does nothing a crash may have left half-written.
+    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-checkpoint-")]:
+        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
 
 
+# --- training ---
 def train(impl, args, device, text, zero, ckpt=None):
     """A fresh GPT-2 trained by impl to --max-steps (ours from ckpt): its full weights and what it took."""
     gc.collect()  # the models trained before are gone before this one's peak is measured
@@ -523,9 +670,14 @@ def train(impl, args, device, text, zero, ckpt=None):
                 print0(f"step {step + 1:4d}/{args.max_steps} | loss {loss.item():.4f} (rank 0's last micro-batch)")
             if impl == "ours" and args.out and (step + 1) % args.ckpt_every == 0:
                 state = {"model": full_state_dict(model), "optimizer": [None] * WORLD, "step": step + 1}
-                dist.gather_object(opt.state_dict(), state["optimizer"] if RANK == 0 else None)  # all the shards
+                # All the shards of the optimizer state, as CPU copies: pickled CUDA tensors would be unpickled on
+                # rank 0 onto the GPUs they came from.
+                mine = opt.state_dict()
+                mine["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+                                 for i, s in mine["state"].items()}
+                dist.gather_object(mine, state["optimizer"] if RANK == 0 else None)
                 if RANK == 0:
-                    save_atomic(state, os.path.join(args.out, "checkpoint.pt"))
+                    save_checkpoint(args.out, step + 1, state, KEEP_CHECKPOINTS)
     if prof:
         prof.export_chrome_trace(os.path.join(args.profile, f"trace_rank{RANK}.json"))
     full = full_state_dict(model) if impl == "ours" else model.state_dict()
@@ -544,12 +696,16 @@ def main(args):
            f"torch={torch.__version__}")
     files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:40]
     text = torch.frombuffer(bytearray(b"".join(Path(f).read_bytes() for f in files)), dtype=torch.uint8).long()
-    for folder in (args.out, args.profile):
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-    path = os.path.join(args.out, "checkpoint.pt") if args.out else ""
-    # Every rank reads it, mapped: only the pages of its own chunks and optimizer shard are read in.
-    ckpt = torch.load(path, map_location="cpu", mmap=True) if os.path.exists(path) else None
+    if args.seq_len >= len(text):
+        raise UsageError(f"--seq-len {args.seq_len} is longer than the text ({len(text):,} bytes)")
+    # A lower bound of what a rank holds at once: the embeddings (weights, gradients, AdamW's moments: 16 bytes an
+    # element) and one micro-batch's logits in float32.
+    check_memory(16 * (256 + args.seq_len) * args.n_embd + 4 * args.batch_size * args.seq_len * 256,
+                 f"--batch-size {args.batch_size} x --seq-len {args.seq_len}", device)
+    owner = {"script": os.path.basename(__file__), "n_layer": args.n_layer, "n_embd": args.n_embd,
+             "n_head": args.n_head, "seq_len": args.seq_len}
+    lock = claim(args.out, owner) if args.out else None  # held until this run ends
+    path, ckpt = resume_state(args.out)
     if ckpt and (len(ckpt["optimizer"]) != WORLD or ckpt["step"] >= args.max_steps):
         raise UsageError(f"{path}: step {ckpt['step']} of {len(ckpt['optimizer'])} ranks; resume with as many "
                          "ranks and a larger --max-steps")
@@ -591,6 +747,8 @@ def main(args):
                f"| clip_grad_norm_ over DDP's full gradients {d['norms'][-1]:.7f}")
     # The checks: ours == fully_shard bit for bit, == DDP within float tolerance (fp32). Every rank holds the same
     # weights by construction: each element lives on one rank only, and every rank gathers it from there.
+    if not all(v.isfinite().all() for v in ours.values()):  # the same weights on every rank: all stop here
+        raise UsageError("training diverged: the weights are not finite (try a smaller --lr)")
     differ = [k for k in ours if not torch.equal(ours[k].view(torch.uint8), theirs[k].view(torch.uint8))]
     gap = max((ours[k].float() - ddp[k].float()).abs().max().item() for k in ours)
     if args.out and RANK == 0:  # a plain state dict: an unsharded GPT-2 loads it, and from_pretrained that
@@ -606,50 +764,62 @@ def main(args):
         raise RuntimeError(f"ours holds {sum(o['held']):.2f} MiB, not 1/{WORLD} of DDP's {sum(d['held']):.2f}")
     print0(f"OK ours == fully_shard bit for bit after {args.max_steps} AdamW steps ({args.param_dtype}, world size "
            f"{WORLD}), DDP within {gap:.1e}; each rank holds 1/{WORLD} of DDP's bytes")
+    if lock:
+        lock.close()
 
 
 def parse_args():
     p = parser(__doc__, timeout_s=300)
+    count = number(int, 1)
     g = p.add_argument_group("model and data")
-    g.add_argument("--n-layer", type=int, default=4, help="GPT-2 blocks, one FSDP unit each")
-    g.add_argument("--n-embd", type=int, default=128, help="width")
-    g.add_argument("--n-head", type=int, default=4, help="attention heads")
-    g.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-batch")
+    g.add_argument("--n-layer", type=count, default=4, help="GPT-2 blocks, one FSDP unit each")
+    g.add_argument("--n-embd", type=count, default=128, help="width")
+    g.add_argument("--n-head", type=count, default=4, help="attention heads")
+    g.add_argument("--seq-len", type=count, default=128, help="tokens (bytes) per sequence")
+    g.add_argument("--batch-size", type=count, default=8, help="sequences per rank per micro-batch")
     g = p.add_argument_group("training")
-    g.add_argument("--max-steps", type=int, default=30, help="optimizer steps")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step: only the last one reduces")
-    g.add_argument("--lr", type=float, default=3e-3, help=f"AdamW's learning rate (weight decay {WEIGHT_DECAY})")
-    g.add_argument("--clip", type=float, default=0.0, help="clip the global gradient norm to this (0: off)")
+    g.add_argument("--max-steps", type=count, default=30, help="optimizer steps")
+    g.add_argument("--grad-accum", type=count, default=1, help="micro-batches per step: only the last one reduces")
+    g.add_argument("--lr", type=number(float, 0, above=True), default=3e-3,
+                   help=f"AdamW's learning rate (weight decay {WEIGHT_DECAY})")
+    g.add_argument("--clip", type=number(float, 0), default=0.0, help="clip the global gradient norm to this (0: off)")
     g.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32", help="compute in this (master: fp32)")
     g.add_argument("--no-reshard-after-forward", action="store_true", help="keep gathered weights for backward")
-    g.add_argument("--seed", type=int, default=0, help="model init (same on all ranks); the data differs by rank")
+    g.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0,
+                   help="model init (same on all ranks); the data differs by rank")
     g = p.add_argument_group("output")
-    g.add_argument("--out", default=None, help="directory: resume from its checkpoint, write one every --ckpt-every")
-    g.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints")
-    g.add_argument("--log-every", type=int, default=10, help="steps between loss lines")
+    g.add_argument("--out", default=None, help="directory: resume from its checkpoints, write one every --ckpt-every")
+    g.add_argument("--ckpt-every", type=count, default=10, help="steps between checkpoints")
+    g.add_argument("--log-every", type=count, default=10, help="steps between loss lines")
     g.add_argument("--profile", default=None, help="directory for a torch.profiler trace of our run, per rank")
     args = p.parse_args()
-    for name in ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "max_steps", "grad_accum", "ckpt_every",
-                 "log_every"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.n_embd % args.n_head or not args.lr > 0 or not args.clip >= 0:
-        p.error("--n-embd must be a multiple of --n-head, --lr > 0, --clip >= 0")
-    for flag, path in (("--out", args.out), ("--profile", args.profile)):
-        if path and unwritable(path):
-            p.error(f"{flag} {path}: {unwritable(path)}")
+    if args.n_embd % args.n_head:
+        p.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
+    for flag, path in (("--out", args.out), ("--profile", args.profile)):  # last: they make the directories
+        if path and not_a_directory(path):
+            p.error(f"{flag} {path}: {not_a_directory(path)}")
     return args
 
 
-def unwritable(path):
-    """Why this run could not write into directory `path` (made if missing), or None."""
+def a_file_on_the_way(path):
+    """The file that stands where directory `path` or one of its parents should be, or None."""
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"{existing} is a file, not a directory"
-    return None if os.access(existing, os.W_OK | os.X_OK) else f"{existing} is not writable"
+    return None if os.path.isdir(existing) else existing
+
+
+def not_a_directory(path):
+    """Why this run cannot write into directory `path`, or None. Decided by trying: it makes the directory (and
+    writes nothing in it); permission bits can say yes where the kernel says no (a path under /proc as root)."""
+    if a_file_on_the_way(path):
+        return f"{a_file_on_the_way(path)} is a file, not a directory"
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        return f"cannot write there ({e.strerror or type(e).__name__})"
+    return None
 
 
 if __name__ == "__main__":

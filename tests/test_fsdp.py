@@ -39,12 +39,20 @@ def test_script_resumes_equal_to_fully_shard_and_saves_a_plain_model(tmp_path):
         for impl in ("DDP", "ZeRO-2", "ours", "fully_shard"):
             row = next(ln for ln in first.output.splitlines() if ln.startswith(f"| {rank} | {impl} | "))
             assert "n/a" not in row, row
+    # Newer checkpoints that do not load: a file cut short, and a directory where the file should be. Both are
+    # skipped with a warning and left as they are; the run resumes from checkpoint-2.
+    (tmp_path / "out" / "checkpoint-3").mkdir()
+    (tmp_path / "out" / "checkpoint-3" / "state.pt").write_bytes(b"PK\x03\x04 cut short")
+    (tmp_path / "out" / "checkpoint-5" / "state.pt").mkdir(parents=True)
     second = launch.torchrun(alone / SCRIPT, 2, args + ["--max-steps", "4"], timeout=240)
     assert second.returncode == 0 and "resumed from" in second.output, second.output
+    warnings = [ln for ln in second.output.splitlines() if ln.startswith("warning: skipped")]
+    assert [w.split()[2].rsplit("/", 1)[1] for w in warnings] == ["checkpoint-5:", "checkpoint-3:"], second.output
+    assert f"resumed from {tmp_path / 'out' / 'checkpoint-2'} at step 2" in second.output, second.output
     assert second.ok_line().startswith("OK ours == fully_shard bit for bit after 4 AdamW steps"), second.output
     assert "| 0 | ZeRO-2 | n/a (07_zero.py not beside this file)" in second.output
     assert "forward:  all-gather root > all-gather transformer.h.0 > forward root" in second.output
-    state = torch.load(tmp_path / "out" / "checkpoint.pt")
+    state = torch.load(tmp_path / "out" / "checkpoint-4" / "state.pt")
     assert state["step"] == 4 and len(state["optimizer"]) == 2
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
     assert state["model"].keys() == model.keys() and all(torch.equal(model[k], v) for k, v in state["model"].items())

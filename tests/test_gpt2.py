@@ -79,6 +79,14 @@ def test_crash_restart_damage_and_continue(tiny_models, tmp_path):
     assert len(kept) == 1 and (kept[0] / "state.pt").stat().st_size == 1000, "the damaged checkpoint was lost"
     assert torch.load(out / "checkpoint-16" / "state.pt", weights_only=True)["step"] == 16
 
+    # Across precisions: on in bf16 (no scaler state saved), then back to fp16, which starts a fresh loss scale.
+    for precision, steps in (("bf16", 18), ("fp16", 20)):
+        on = launch.torchrun(SCRIPT, 2, args + ["--max-steps", steps, "--sample-tokens", 0, "--out", out,
+                                                "--precision", precision], timeout=180)
+        assert on.returncode == 0 and on.ok_line(), on.output
+        assert lines_with(on, "resumed from")[0].endswith(f"at step {steps - 2}"), on.output
+    assert torch.load(out / "checkpoint-20" / "state.pt", weights_only=True)["scaler"]["scale"] > 0
+
     # Two 'nodes' without a shared filesystem: --out is relative, only rank 0's directory holds it. One line, no hang,
     # and before either rank has built a model.
     elsewhere = tmp_path / "node1"
@@ -146,19 +154,29 @@ def check_one_line_errors(tmp_path, cases):
 
 
 def test_inputs_only_the_model_or_data_reveal_are_one_line(tiny_models, tmp_path, script):
-    """Found after loading, as one line and exit 2: too little data, a --seq-len beyond the model's positions,
-    an empty or corrupt --model directory, the checkpoint of another model (here the tiny GPT-2's, written by the
-    script's own save_checkpoint, met by a run of the default model with another width)."""
+    """Found after loading, as one line and exit 2: too little data, an empty text file, a --seq-len beyond the
+    model's positions or beyond memory, an empty or corrupt --model directory, a model without its tokenizer, a
+    diverging run, and the checkpoint of another model (the tiny GPT-2's, written by the script's own
+    save_checkpoint into an --out that says it belongs to this run's model: a hand-copied checkpoint)."""
     from transformers import AutoModelForCausalLM
-    other = tmp_path / "other"
+    lesson = script(SCRIPT)
+    other, no_tokenizer, empty = tmp_path / "other", tmp_path / "no_tokenizer", tmp_path / "empty.txt"
     other.mkdir()
-    state = {"model": AutoModelForCausalLM.from_pretrained(tiny_models / "gpt2").state_dict(), "step": 4}
-    script(SCRIPT).save_checkpoint(other, 4, state, keep=2)
+    lesson.not_ours(other, {"script": SCRIPT, "model": "GPT-2 from scratch", "n_layer": 2, "n_embd": 64,
+                            "n_head": 4, "seq_len": 64})  # writes owner.json as a run with TINY's flags does
+    model = AutoModelForCausalLM.from_pretrained(tiny_models / "gpt2")
+    lesson.save_checkpoint(other, 4, {"model": model.state_dict(), "step": 4}, keep=2)
+    model.save_pretrained(no_tokenizer)
+    empty.write_text("")
     found = check_one_line_errors(tmp_path, [
         (["--seq-len", "100000"], "too few for 1 ranks"),
+        (["--seq-len", "100000000"], "--batch-size 4 x --seq-len 100000000 would need at least"),
+        (["--dataset", empty], f"--dataset '{empty}' holds no text"),
         (["--model", tiny_models / "gpt2", "--seq-len", "65"], "--seq-len 65 exceeds the model's 64 positions"),
         (["--model", tiny_models / "empty"], f"cannot load --model '{tiny_models / 'empty'}'"),
         (["--model", tiny_models / "corrupt"], f"cannot load --model '{tiny_models / 'corrupt'}'"),
+        (["--model", no_tokenizer], f"--model '{no_tokenizer}' has no tokenizer"),
+        (["--lr", "1e6", "--max-steps", "8"], "training diverged: loss nan at step"),
         (["--out", other], "(257, 64)")])
     assert "holds (257, 32)" in found[-1] and "was written for another model" in found[-1], found[-1]
 

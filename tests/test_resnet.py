@@ -53,21 +53,22 @@ def test_spawn_crash_restart_damage_and_continue(tmp_path, mnist_dir, script):
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed run != uninterrupted run"
     # The checkpoint and the final model load into build_model(): no "module." prefix, nothing left over.
     out = tmp_path / "whole"
-    ckpt = torch.load(out / "checkpoint.pt")
+    ckpt = torch.load(out / "checkpoint-2" / "state.pt")
     assert set(ckpt) == {"model", "optimizer", "scheduler", "scaler", "epoch"} and ckpt["epoch"] == 2
-    assert torch.load(out / "checkpoint.pt.prev")["epoch"] == 1  # the one before is kept
+    assert torch.load(out / "checkpoint-1" / "state.pt")["epoch"] == 1  # the one before is kept
     state = torch.load(out / "model.pt")
     assert not any(k.startswith("module.") for k in state) and not list(out.glob("*.tmp"))
     script(SCRIPT).build_model().load_state_dict(state)  # strict: every key matches
     assert all(torch.equal(state[k], v) for k, v in ckpt["model"].items())
     # The newest checkpoint is damaged: the run resumes from the one before (kept), and continues a finished run
     # with more epochs, the one-cycle schedule rebuilt for the new total.
-    (out / "checkpoint.pt").write_bytes((out / "checkpoint.pt").read_bytes()[:1000])
+    (out / "checkpoint-2" / "state.pt").write_bytes((out / "checkpoint-2" / "state.pt").read_bytes()[:1000])
     more = launch.torchrun(SCRIPT, 2, args[:-1] + ["3", "--out", out], timeout=180)
     assert more.returncode == 0 and more.ok_line(), more.output
     assert "warning: skipped" in more.output and "after epoch 1" in more.output, more.output
     assert "4 -> 6 steps: the one-cycle schedule is rebuilt" in more.output, more.output
-    assert len(list(out.glob("checkpoint.pt.damaged-*"))) == 1 and torch.load(out / "checkpoint.pt")["epoch"] == 3
+    assert len(list(out.glob("checkpoint-2.damaged-*"))) == 1, "the damaged checkpoint was lost"
+    assert torch.load(out / "checkpoint-3" / "state.pt")["epoch"] == 3
 
 
 @pytest.mark.slow

@@ -23,6 +23,14 @@ def test_every_script_has_the_same_setup_block():
     assert [n for n, b in blocks.items() if b != first] == [], "the setup block differs; copy it unchanged"
 
 
+def test_05_06_08_share_one_checkpoint_block():
+    """One checkpoint contract for every --out: the same code, copied."""
+    blocks = {name: re.search(r"^# --- checkpoints: the same block.*?(?=^# --- )", (REPO / name).read_text(),
+                              re.S | re.M).group(0) for name in ("05_manual_ddp_gpt2.py", "06_torch_ddp_resnet.py",
+                                                                 "08_fsdp.py")}
+    assert len(set(blocks.values())) == 1 and "def claim" in blocks["08_fsdp.py"], "copy the checkpoint block"
+
+
 # (--device, --backend, GPUs on the node, local world size, local rank) -> (device, backend, note says) or error says
 TABLE = [
     (("auto", None, 0, 2, 1), ("cpu", "gloo", None)),
