@@ -21,8 +21,9 @@ def load_script(filename):
 
 
 def quartiles(xs):
-    """(p25, median, p75) of a list of timings or ratios."""
-    return tuple(statistics.quantiles(xs, n=4)) if len(xs) > 1 else (xs[0],) * 3
+    """(p25, median, p75) of a list of timings or ratios, within the data: the default 'exclusive' method
+    extrapolates from few samples (from two timings it gave a negative p25)."""
+    return tuple(statistics.quantiles(xs, n=4, method="inclusive")) if len(xs) > 1 else (xs[0],) * 3
 
 
 def human(nbytes):

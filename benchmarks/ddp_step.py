@@ -29,10 +29,10 @@ IMPLS = ["manual", "naive", "torch", "none"]  # none: each rank alone (no commun
 SIZES = {"small": None, "124m": dict(vocab_size=50304, n_positions=1024, n_embd=768, n_layer=12, n_head=12)}
 
 
-def build(args):
+def build(args, device):
     """05's default model (--model-size small), or a GPT-2 124M-shaped one from a config, random weights."""
     if args.model_size == "small":
-        return lesson.build_model(args)[1]
+        return lesson.build_model(args, device)[1]
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(args.seed)
     return GPT2LMHeadModel(GPT2Config(**SIZES[args.model_size], activation_function="gelu_pytorch_tanh",
@@ -104,7 +104,7 @@ class Runner:
 
 
 def measure(args, device, world):
-    base = build(args).to(device)
+    base = build(args, device).to(device)
     vocab = base.config.vocab_size
     g = torch.Generator().manual_seed(args.seed + dist.get_rank())
     batches = [torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=g).to(device) for _ in range(4)]
