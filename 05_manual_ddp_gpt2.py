@@ -21,6 +21,7 @@ Run it (the default trains a small GPT-2 offline on Python's own standard librar
 """
 
 import argparse
+import atexit
 import contextlib
 import fcntl
 import functools
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 import weakref
 from datetime import timedelta
 
@@ -172,6 +174,10 @@ class _Bucket:
         self._buffer = self.flat
         self.views = self.gradients()  # parameter i's .grad IS views[i]: no copy in, no copy out
         self.ready, self.pending, self.future = [False] * len(params), len(params), None
+        self.work = None  # the last all-reduce's Work, kept until the next one: see ManualDDP._launch
+
+    def __getstate__(self):  # a copy of the wrapper has no message in flight
+        return {**self.__dict__, "work": None, "future": None}
 
     def buffer(self):
         return self._buffer
@@ -216,6 +222,12 @@ def bucket_layout(params, order, caps):
     return done + [indices for indices, _, _ in running.values() if indices]
 
 
+def _let_gloo_threads_finish():
+    """At exit, while the interpreter is still whole: give up the GIL a moment, so that a gloo worker thread that
+    still has to free a Work (its destructor takes the GIL) does it now, not during finalisation (SIGABRT)."""
+    time.sleep(0.05)
+
+
 class ManualDDP(nn.Module, Joinable):
     """torch.nn.parallel.DistributedDataParallel by hand: after loss.backward() every .grad is the group's mean.
 
@@ -247,11 +259,20 @@ class ManualDDP(nn.Module, Joinable):
                 raise ValueError(f"bucket sizes must be positive, got {cap}")
         group = device_mesh.get_group(0) if device_mesh is not None else process_group
         self.process_group = group or dist.group.WORLD
+        if device_mesh is not None:
+            self.device_mesh = device_mesh  # as DDP: set only when given
+        atexit.unregister(_let_gloo_threads_finish)  # once per process, however many wrappers
+        atexit.register(_let_gloo_threads_finish)
         self.module, self.dim, self.static_graph = module, dim, static_graph
         self.find_unused_parameters, self.gradient_as_bucket_view = find_unused_parameters, gradient_as_bucket_view
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         # As in DDP 2.14: forward_sync_buffers, if given, wins (and buffers are broadcast at construction); else
         # broadcast_buffers (default True) rules both the broadcast at construction and the one before every forward.
+        if broadcast_buffers is not None:  # deprecated in DDP 2.14, which warns the same way
+            warnings.warn("broadcast_buffers is deprecated: use forward_sync_buffers"
+                          + (" (broadcast_buffers is ignored when both are given)" if forward_sync_buffers is not None
+                             else "; note that forward_sync_buffers=False still broadcasts buffers at construction"),
+                          FutureWarning, stacklevel=2)
         self.forward_sync_buffers = forward_sync_buffers
         if forward_sync_buffers is None:
             self.forward_sync_buffers = broadcast_buffers is not False
@@ -309,22 +330,44 @@ class ManualDDP(nn.Module, Joinable):
         self._unused, self._graph_static = [], True  # find_unused_parameters: for _get_ddp_logging_data
         self._hook_counts = [0] * len(self.params)  # static_graph: hooks per parameter seen in the first backward
         self._divisor, self._divide_by_initial, self._fresh, self._joining = self.world, True, set(), False
+        # delay_all_reduce_named_params: one bucket of its own, sent when param_to_hook_all_reduce's gradient is
+        # computed (for parameters another parallelism treats first).
+        self._delayed = [_Bucket(list(delayed.values()), -1, 0)] if delayed else []  # zero or one bucket
+        self._delay_trigger = param_to_hook_all_reduce if delayed else None
+        self._register_autograd_hooks()
+
+    def _register_autograd_hooks(self):
         # The hooks reach the wrapper through a weak reference: a wrapper that is dropped (say, to wrap the model
         # anew) must be freed, not stay alive through its hooks and keep answering every backward.
         me = weakref.ref(self)
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(_call, me, "_on_grad_ready", i))
-        # delay_all_reduce_named_params: one bucket of its own, sent when param_to_hook_all_reduce's gradient is
-        # computed (for parameters another parallelism treats first).
-        self._delayed = [_Bucket(list(delayed.values()), -1, 0)] if delayed else []  # zero or one bucket
-        if delayed:
-            param_to_hook_all_reduce.register_hook(functools.partial(_call, me, "_launch_delayed"))
+        if self._delay_trigger is not None:
+            self._delay_trigger.register_hook(functools.partial(_call, me, "_launch_delayed"))
+
+    # -- pickling (torch.save(ddp_model), copy.deepcopy), as DDP allows it --
+    def __getstate__(self):
+        """As DDP: only with the default group (a process group cannot be pickled: the copy gets the default group
+        back when loaded); the communication hook is not kept (DDP's lives in its C++ reducer and is lost too)."""
+        if self.process_group is not dist.group.WORLD:
+            raise RuntimeError("ManualDDP can be pickled only with the default process group (as DDP): a process "
+                               "group cannot be pickled")
+        state = dict(self.__dict__)
+        del state["process_group"]
+        state.pop("_used_work", None)
+        state["_hook"] = None
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.process_group = dist.group.WORLD
+        self._register_autograd_hooks()  # tensors are pickled without their hooks
 
     # -- the hot path: forward, a hook per parameter, the end of backward --
     def forward(self, *inputs, **kwargs):
         notified = Join.notify_join_context(self)  # inside join(): an all-reduce counting the ranks still training
-        if notified is not None and not self._divide_by_initial:
-            self._divisor = int(notified.get_future().wait()[0].item())
+        if notified is not None:  # as DDP, each iteration: the initial world size, or the ranks still training
+            self._divisor = self.world if self._divide_by_initial else int(notified.get_future().wait()[0].item())
         if self._joining:  # tell ranks that have joined whether this backward will communicate
             dist.all_reduce(torch.tensor([float(self.require_backward_grad_sync)], device=self.device),
                             group=self.process_group, async_op=True)
@@ -423,7 +466,13 @@ class ManualDDP(nn.Module, Joinable):
         # not. One multiply per bucket by 1/N (DDP multiplies too), on data just written, so still in cache.
         if self._divisor > 1:
             b.flat.mul_(1 / self._divisor)
-        b.future = dist.all_reduce(b.flat, group=self.process_group, async_op=True).get_future()
+        # The Work is kept (until this bucket's next all-reduce), not only its future: whoever drops the last
+        # reference to a gloo Work runs its destructor, which needs the GIL (the Work holds Python tensors and the
+        # autograd engine's thread-local Python context). Dropped here at once, the last reference is gloo's
+        # worker thread's; if the interpreter is exiting by the time that thread asks for the GIL, Python ends the
+        # thread inside a noexcept destructor: "terminate called without an active exception" (SIGABRT).
+        b.work = dist.all_reduce(b.flat, group=self.process_group, async_op=True)
+        b.future = b.work.get_future()
 
     def _finish(self):
         """End of backward: flush buckets whose gradients never came, wait for every bucket, clean up."""
@@ -438,7 +487,8 @@ class ManualDDP(nn.Module, Joinable):
             unused = (self._used == 0).nonzero().flatten().tolist()
             self._graph_static &= self._syncs == 0 or self.static_graph or unused == self._unused
             self._unused = unused
-            dist.all_reduce(self._used, group=self.process_group)  # which parameters some rank used
+            self._used_work = dist.all_reduce(self._used, group=self.process_group, async_op=True)  # kept: _launch
+            self._used_work.wait()  # which parameters some rank used
         for b in self.buckets + self._delayed:
             if b.future is not None:
                 result = b.future.wait()
@@ -552,7 +602,8 @@ class ManualDDP(nn.Module, Joinable):
         self._queue_finish()
         bucket = self._delayed[0]
         bucket.flat.mul_(1 / self._divisor)
-        bucket.future = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True).get_future()
+        bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)  # kept: see _launch
+        bucket.future = bucket.work.get_future()
         return grad
 
     def register_comm_hook(self, state, hook):

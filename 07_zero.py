@@ -18,6 +18,7 @@ Run it:
 """
 
 import argparse
+import atexit
 import contextlib
 import copy
 import ctypes
@@ -180,6 +181,12 @@ class _Bucket:
             start += p.numel()
 
 
+def _let_gloo_threads_finish():
+    """At exit, while the interpreter is still whole: give up the GIL a moment, so that a gloo worker thread that
+    still has to free a Work (its destructor takes the GIL) does it now, not during finalisation (SIGABRT)."""
+    time.sleep(0.05)
+
+
 class ZeroDDP(nn.Module):
     """DDP and its optimizer in one; the optimizer state (stage 1) and the gradients too (stage 2) are sharded.
 
@@ -201,6 +208,8 @@ class ZeroDDP(nn.Module):
             raise ValueError(f"ZeroDDP: bucket_cap_mb must be positive, got {bucket_cap_mb}")
         optimizer_class([torch.zeros(1)], **defaults)  # bad options fail here, on all ranks, before any collective
         self.module, self.stage, self.group = module, stage, process_group or dist.group.WORLD
+        atexit.unregister(_let_gloo_threads_finish)  # once per process, however many wrappers
+        atexit.register(_let_gloo_threads_finish)
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.root = dist.get_global_rank(self.group, 0)
         groups = list(module.parameters() if params is None else params)
@@ -326,8 +335,13 @@ class ZeroDDP(nn.Module):
     def step(self, closure=None):
         """Step this rank's shard, then all-gather the shards: every rank ends with every updated parameter."""
         loss = self.optim.step(closure)
-        works = [all_gather(b.flat, b.flat[b.lo : b.hi], group=self.group, async_op=True) for b in self.buckets]
-        for work in works:
+        # The Works are kept until the next step: whoever drops the last reference to a gloo Work runs its
+        # destructor, which needs the GIL (the Work holds Python tensors). Dropped here, the last reference would
+        # often be gloo's worker thread's; if the interpreter is exiting by the time that thread asks for the GIL,
+        # Python ends the thread inside a noexcept destructor: "terminate called without an active exception".
+        self._gathers = [all_gather(b.flat, b.flat[b.lo : b.hi], group=self.group, async_op=True)
+                         for b in self.buckets]
+        for work in self._gathers:
             work.wait()
         return loss
 

@@ -14,6 +14,7 @@ def load_script(filename):
     path = REPO / filename
     spec = importlib.util.spec_from_file_location(path.stem.lstrip("0123456789_"), path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: pickle finds its classes (torch.save of a wrapper)
     spec.loader.exec_module(module)
     return module
 

@@ -11,6 +11,7 @@ no_sync accumulation against the large batch, and a backward whose forward bypas
 
 import copy
 import gc
+import io
 import os
 import sys
 
@@ -221,6 +222,45 @@ def check_join(divide_by_initial=True):
             topt.zero_grad()
     assert_same(ours, theirs, f"join, divide_by_initial_world_size={divide_by_initial}")
     assert identical_across_ranks(list(ours.parameters()) + list(ours.module.buffers()))
+
+
+def check_join_switch():
+    """join(divide_by_initial_world_size=False), then join(True) on the same wrapper: the second divides by the world
+    size again, not by the last count of ranks still training (as DDP)."""
+    torch.manual_seed(4)
+    (ours, opt), (theirs, topt) = pair(Net())
+    for model, o, join in ((ours, opt, ours.join), (theirs, topt, lambda **kw: Join([theirs], **kw))):
+        for initial in (False, True):
+            with join(divide_by_initial_world_size=initial):
+                for step in range(1 + RANK):
+                    step_of(model, step, RANK)
+                    o.step()
+                    o.zero_grad()
+    assert_same(ours, theirs, "join(False) then join(True)")
+
+
+def check_pickle():
+    """torch.save(wrapper) and copy.deepcopy(wrapper) after training, as DDP allows: the copy trains on, in step
+    with a copy of DDP's; with a subgroup, both refuse."""
+    torch.manual_seed(5)
+    pairs = pair(Net(bn=True))
+    lockstep(pairs, 2, "before the copy")
+    saved = io.BytesIO()
+    torch.save(pairs[0][0], saved)
+    saved.seek(0)
+    theirs = pairs[1][0]  # not DDP's copy: on 4 ranks a deep-copied DDP differs from its original in the last bit
+    loaded = torch.load(saved, weights_only=False)
+    lockstep([(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (loaded, theirs)], 2, "torch.save/load copy")
+    deep = copy.deepcopy(loaded)
+    lockstep([(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (deep, theirs)], 1, "deep copy")
+    group = dist.new_group([0, 1])
+    if RANK in (0, 1):
+        for cls in (ManualDDP, DDP):
+            try:
+                copy.deepcopy(cls(Net(), process_group=group))
+            except RuntimeError:
+                continue
+            raise AssertionError(f"{cls.__name__} with a subgroup was pickled")
 
 
 def check_ready_twice():
@@ -463,6 +503,7 @@ def main():
     for name, check in [("constructor", check_constructor), ("accumulation", check_accumulation),
                         ("buffers", check_buffers), ("hooks", check_comm_hooks), ("join", check_join),
                         ("join_current", lambda: check_join(divide_by_initial=False)),
+                        ("join_switch", check_join_switch), ("pickle", check_pickle),
                         ("ready_twice", check_ready_twice), ("unused", check_unused_skip_and_delay),
                         ("subgroup", check_subgroup), ("single_process", check_training),
                         ("bucket_sizes", check_bucket_layout), ("no_sync", check_no_sync),
