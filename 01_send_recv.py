@@ -161,6 +161,11 @@ def main(args):
     device = setup(args)
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} torch={torch.__version__}")
     who_am_i(device)
+    if dist.get_backend() == "gloo" and device.type == "cuda":
+        # gloo's send/recv read and write host memory only (its CUDA support covers collectives): a CUDA
+        # tensor's address would go to the socket as is. So on gloo the messages below live on the CPU.
+        print0("note: gloo sends CPU tensors only: the messages below are staged on the CPU (nccl sends GPU memory)")
+        device = torch.device("cpu")
 
     # 1. Blocking: each call returns only when the message is handed over, so the order of calls matters.
     if RANK == 0:

@@ -144,6 +144,12 @@ def tree_broadcast(tensor, src=0):
     hold the data (vranks < 2**k) each send it to vrank + 2**k. Within a round every rank is in at most
     one pair, so blocking send/recv cannot deadlock, on gloo or NCCL.
     """
+    if tensor.is_cuda and dist.get_backend() == "gloo":
+        # gloo's send/recv move host memory only (its CUDA support covers collectives): go through a CPU copy.
+        host = tensor.cpu()
+        rounds = tree_broadcast(host, src)
+        tensor.copy_(host)
+        return rounds
     rank, world = dist.get_rank(), dist.get_world_size()
     vrank = (rank - src) % world
     rounds = math.ceil(math.log2(world)) if world > 1 else 0

@@ -194,6 +194,9 @@ def ring_all_reduce(tensor):
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 1:
         return tensor
+    if tensor.is_cuda and dist.get_backend() == "gloo":
+        # gloo's send/recv move host memory only (its CUDA support covers collectives): ring a CPU copy.
+        return tensor.copy_(ring_all_reduce(tensor.cpu()))
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     chunks = flat.tensor_split(world)  # N views; sizes differ by at most one element, chunk 0 the largest
     right, left, nccl = (rank + 1) % world, (rank - 1) % world, dist.get_backend() == "nccl"

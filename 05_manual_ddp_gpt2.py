@@ -50,7 +50,11 @@ ADAMW_BETAS = (0.9, 0.95)  # GPT-2's (and nanoGPT's); PyTorch's default 0.999 re
 LR_FLOOR = 0.1  # the cosine schedule ends at this fraction of --lr
 SEED_STRIDE = 7919  # dropout seed = seed + stride * step + rank: a prime, so no two (step, rank) pairs share one
 SAMPLE_TOP_K, SAMPLE_TEMPERATURE = 20, 0.8  # the generated sample at the end
-PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "L4": 121, "A10G": 125}  # dense bf16, for MFU
+# Dense bf16 peak for MFU, by the exact name torch.cuda.get_device_name() gives: a substring would give an L40 the
+# L4's figure and a PCIe H100 the SXM one's. Any other GPU: --peak-tflops.
+PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989, "NVIDIA H100 PCIe": 756, "NVIDIA H100 NVL": 835, "NVIDIA H200": 989,
+               "NVIDIA A100-SXM4-80GB": 312, "NVIDIA A100-SXM4-40GB": 312, "NVIDIA A100 80GB PCIe": 312,
+               "NVIDIA A100-PCIE-40GB": 312, "NVIDIA L40S": 362, "NVIDIA L40": 181, "NVIDIA L4": 121}
 
 # --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
 RANK, WORLD = 0, 1
@@ -948,7 +952,9 @@ def peak_tflops(args, device):
     if args.peak_tflops or device.type != "cuda" or args.precision not in ("bf16", "fp16"):
         return args.peak_tflops
     name = torch.cuda.get_device_name(device)
-    return next((tflops for gpu, tflops in PEAK_TFLOPS.items() if gpu in name), None)
+    if name not in PEAK_TFLOPS:
+        print0(f"note: no MFU: the peak of {name!r} is not in PEAK_TFLOPS; give it with --peak-tflops")
+    return PEAK_TFLOPS.get(name)
 
 
 def wrap(model, impl, args, device):

@@ -472,6 +472,8 @@ def main(args):
         dist.all_reduce(train)
         if not train[0].isfinite():  # the same sum on every rank: all stop here, together
             raise UsageError(f"training diverged: loss {train[0].item()} in epoch {epoch + 1} (try a smaller --lr)")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the GPU runs behind the host: wait for it before reading the clock
         elapsed = time.perf_counter() - t0
         val_loss, val_acc, n_val = evaluate(ddp, val_loader, device, len(val_set), layout)
         print0(f"epoch {epoch + 1:>3}/{args.epochs} | train loss {(train[0] / train[1]).item():.4f} | val loss "

@@ -527,6 +527,11 @@ def main(args):
     device = setup(args, min_world=1)
     if device.type == "cpu" and sys.platform == "linux":
         ctypes.CDLL(None).mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD (see peak_memory)
+    if device.type == "cuda":
+        # The runs compared below are separate runs: on a GPU, attention's backward (memory-efficient and flash
+        # SDPA) and cuBLAS may add in a different order each time. Deterministic mode picks kernels that do not.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
+        torch.use_deterministic_algorithms(True)
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} torch={torch.__version__}")
     import transformers
     transformers.logging.set_verbosity_error()

@@ -429,9 +429,11 @@ def load_full_state_dict(module, state):
 
 def clip_grad_norm_(parameters, max_norm, group=None):
     """clip_grad_norm_ over shards: every parameter's squared norm summed over ranks (one all-reduce for all),
-    then the norm of their roots, as PyTorch computes it over fully_shard's sharded gradients."""
+    then the norm of their roots, as PyTorch computes it over fully_shard's sharded gradients. Each shard's norm
+    comes from the fused _foreach_norm, as in PyTorch's (DTensors take its foreach path): on a GPU its kernel adds
+    in another order than one vector_norm per tensor would, and the result must be PyTorch's to the bit."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    squares = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in grads])
+    squares = torch.stack(torch._foreach_norm(grads)) ** 2
     dist.all_reduce(squares, group=group)
     total = torch.linalg.vector_norm(squares ** 0.5)
     for g in grads:
@@ -665,6 +667,8 @@ def train(impl, args, device, text, zero, ckpt=None):
             opt.step()
             held = held_mib(list(model.parameters()), getattr(opt, "optim", opt))  # ZeroDDP's optimizer: .optim
             opt.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the GPU runs behind the host: wait for it before reading the clock
             seconds.append(time.perf_counter() - t0)
             if impl == "ours" and ((step + 1) % args.log_every == 0 or step + 1 == args.max_steps):
                 print0(f"step {step + 1:4d}/{args.max_steps} | loss {loss.item():.4f} (rank 0's last micro-batch)")
@@ -692,6 +696,11 @@ def main(args):
     device = setup(args, min_world=1)
     if device.type == "cpu" and sys.platform == "linux":  # the resident set then measures what is held (see above)
         ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD
+    if device.type == "cuda":
+        # The runs compared below are separate runs: on a GPU, attention's backward (memory-efficient and flash
+        # SDPA) and cuBLAS may add in a different order each time. Deterministic mode picks kernels that do not.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
+        torch.use_deterministic_algorithms(True)
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device} param_dtype={args.param_dtype} "
            f"torch={torch.__version__}")
     files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:40]

@@ -33,6 +33,7 @@ def worker(args):
     import torch
     import torch.distributed as dist
     import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     fsdp = load_script("08_fsdp.py")
@@ -48,9 +49,10 @@ def worker(args):
     if args.worker == "DDP":
         net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     else:
-        shard = fsdp.fully_shard if args.worker == "ours" else torch_fully_shard
+        # fully_shard gets a mesh on the device chosen here: without one it builds it on the machine's accelerator
+        mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
         for m in [*model, model]:  # each layer a unit, then the root
-            shard(m)
+            fsdp.fully_shard(m) if args.worker == "ours" else torch_fully_shard(m, mesh=mesh)
         net = model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(rank)

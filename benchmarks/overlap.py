@@ -4,7 +4,8 @@
   python benchmarks/overlap.py traces/trace_rank0.json [--json overlap.json]
 
 For every profiled step: the span of backward (the autograd engine's first to last function), and each all-reduce
-launched in the step, with when it was launched and when gloo (or NCCL) worked on it, in ms from the step's start.
+launched in the step, with when it was launched and when gloo worked on it, in ms from the step's start (gloo
+traces only: an NCCL trace is refused, see main).
 An all-reduce that finished before backward's last function began was hidden behind backward's compute: the point
 of buckets and hooks. The last line counts them; exit status 1 if there were none (no overlap at all: one bucket, or a
 whole-model torch.compile, which hands over every gradient only when its whole backward is done).
@@ -54,9 +55,15 @@ def main():
     args = p.parse_args()
     try:
         with open(args.trace) as f:
-            found = steps(json.load(f))
-    except (OSError, ValueError, KeyError) as e:
+            trace = json.load(f)
+        found = steps(trace)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         fail(f"{args.trace}: not a readable profiler trace ({type(e).__name__}: {e})")
+    if any("nccl" in str(e.get("name", "")).lower() for e in trace["traceEvents"]):
+        # NCCL's CPU-side span ends when its kernel is queued, so every all-reduce would look hidden: the overlap
+        # is on the GPU's timeline, between the NCCL kernels and backward's, which this reader does not pair up.
+        fail(f"{args.trace}: an NCCL trace; its CPU-side spans end at launch and cannot show overlap: open it in "
+             "Perfetto and compare the ncclDevKernel rows with backward's kernels on the GPU's streams")
     if not found:
         fail(f"{args.trace}: no profiled step with a backward in it")
     hidden = total = 0

@@ -50,6 +50,9 @@ def ping_pong(device, sizes, iters):
 
 def main(args):
     device = lesson.setup(args)
+    if device.type == "cuda" and dist.get_backend() == "gloo":  # a copy through the CPU would be measured instead
+        raise lesson.UsageError("gloo's send/recv move CPU tensors only: measure GPU messages with --backend nccl "
+                                "(a GPU per rank), or CPU ones with --device cpu")
     lesson.print0(f"world_size={lesson.WORLD} backend={dist.get_backend()} device={device.type} "
                   f"torch={torch.__version__}")
     sizes = [4 ** k for k in range(1, 40) if 4 ** k <= args.max_bytes]

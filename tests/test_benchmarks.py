@@ -67,8 +67,15 @@ def test_ddp_step_benchmark(tmp_path):
 def test_overlap_reader_says_what_is_wrong_in_one_line(tmp_path):
     """benchmarks/overlap.py on a good trace: test_reliability's --profile run. Here its errors (no torch, fast)."""
     (tmp_path / "empty.json").write_text('{"traceEvents": []}')
+    # A step with backward and an NCCL all-reduce, shaped as torch.profiler writes them: refused, not misread.
+    step = {"ph": "X", "name": "ProfilerStep#3", "ts": 0, "dur": 100}
+    bwd = {"ph": "X", "name": "autograd::engine::evaluate_function: AddmmBackward0", "ts": 10, "dur": 50}
+    nccl = [{"ph": "X", "name": "nccl:all_reduce", "ts": 20, "dur": 1},
+            {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ts": 21, "dur": 70}]
+    (tmp_path / "nccl.json").write_text(json.dumps({"traceEvents": [step, bwd, *nccl]}))
     for path, says in ((tmp_path / "none.json", "not a readable profiler trace"),
-                       (tmp_path / "empty.json", "no profiled step with a backward")):
+                       (tmp_path / "empty.json", "no profiled step with a backward"),
+                       (tmp_path / "nccl.json", "an NCCL trace")):
         res = launch.run([sys.executable, "benchmarks/overlap.py", path], timeout=60)
         lines = res.output.strip().splitlines()
         assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {path}: "), res.output

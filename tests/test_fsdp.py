@@ -56,3 +56,30 @@ def test_script_resumes_equal_to_fully_shard_and_saves_a_plain_model(tmp_path):
     assert state["step"] == 4 and len(state["optimizer"]) == 2
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
     assert state["model"].keys() == model.keys() and all(torch.equal(model[k], v) for k, v in state["model"].items())
+
+
+def test_clip_grad_norm_uses_pytorchs_norm_kernel(script, monkeypatch):
+    # On a GPU, _foreach_norm and one vector_norm per tensor add in different orders, so 08's clip_grad_norm_ must
+    # take the kernel PyTorch's takes for fully_shard's DTensor gradients. On the CPU both give the same bits, so
+    # the kernel is checked here by name: both must call _foreach_norm, and agree.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    calls, real = [], torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: calls.append(len(ts)) or real(ts, *a, **k))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        shapes = [(7, 5), (5,), (3, 3)]
+        params = [distribute_tensor(torch.randn(s), mesh, [Shard(0)]) for s in shapes]
+        grads = [torch.randn(s) * 10 for s in shapes]
+        theirs, ours = [torch.nn.Parameter(p) for p in params], [torch.nn.Parameter(p.to_local()) for p in params]
+        for t, o, g in zip(theirs, ours, grads):
+            t.grad, o.grad = distribute_tensor(g, mesh, [Shard(0)]), g.clone()
+        norm = torch.nn.utils.clip_grad_norm_(theirs, 1.0).full_tensor()
+        assert calls, "clip_grad_norm_ no longer uses _foreach_norm for DTensors: 08 must follow it"
+        calls.clear()
+        assert torch.equal(script("08_fsdp.py").clip_grad_norm_(ours, 1.0), norm) and calls == [3]
+        assert all(torch.equal(t.grad.full_tensor(), o.grad) for t, o in zip(theirs, ours))
+    finally:
+        dist.destroy_process_group()

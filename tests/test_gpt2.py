@@ -200,3 +200,16 @@ def test_dead_peer_is_one_clear_line():
 def test_compile_keeps_losses_and_overlap():
     res = launch.run(launch.torchrun_cmd("tests/workers/compile_worker.py", 2), timeout=240)
     assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output
+
+
+def test_mfu_peak_is_looked_up_by_the_exact_gpu_name(script, monkeypatch, capsys):
+    lesson = script(SCRIPT)
+    args = lesson.parse_args(["--precision", "bf16"])
+    cuda = torch.device("cuda", 0)  # only its name is asked for, which is faked: no GPU needed
+    for name, peak in [("NVIDIA L40", 181), ("NVIDIA L4", 121), ("NVIDIA H100 PCIe", 756),
+                       ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA L40 Prototype", None), ("Some GPU", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert lesson.peak_tflops(args, cuda) == peak, name
+        assert ("--peak-tflops" in capsys.readouterr().out) == (peak is None), name
+    assert lesson.peak_tflops(lesson.parse_args(["--precision", "bf16", "--peak-tflops", "50"]), cuda) == 50
+

@@ -87,3 +87,43 @@ def test_manual_ddp_bit_identical_to_ddp_on_nccl():
     res = launch.run(launch.torchrun_cmd("tests/workers/exact_worker.py", 2), timeout=600,
                      env=launch.make_env(TEST_DEVICE="cuda", TEST_BACKEND="nccl", **ENV))
     assert res.returncode == 0 and res.ok_line(), res.output
+
+
+def test_gloo_point_to_point_on_cuda_goes_through_the_cpu():
+    """gloo's send/recv move host memory only: 01-03 stage their messages on the CPU (01 says so), the ping-pong
+    benchmark, which would measure the staging, refuses in one line."""
+    res = launch.torchrun("01_send_recv.py", 2, ["--backend", "gloo"], timeout=300, device="cuda")
+    assert res.returncode == 0 and res.ok_line() and "staged on the CPU" in res.output, res.output
+    results = launch.ranks("benchmarks/send_recv.py", 2, ["--backend", "gloo"], device="cuda", timeout=120)
+    errors = [ln for r in results for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert [r.returncode for r in results] == [2, 2] and len(errors) == 1 and "CPU tensors only" in errors[0], errors
+
+
+def test_exact_checks_hold_at_longer_sequences_and_checkpoints_gather_on_the_cpu(tmp_path):
+    """07 and 08 compare separate runs bit for bit: at --seq-len 256 attention's backward would add in a different
+    order each run without deterministic mode. 08 --clip takes PyTorch's norm kernel; 08 --out gathers optimizer
+    state as CPU copies and resumes."""
+    res = launch.torchrun("07_zero.py", 1, ARGS["07_zero.py"] + ["--seq-len", "256"], timeout=600, device="cuda",
+                          **ENV)
+    assert res.returncode == 0 and "bit-identical" in (res.ok_line() or ""), res.output
+    args = ARGS["08_fsdp.py"] + ["--seq-len", "256", "--clip", "0.5", "--out", tmp_path / "fsdp"]
+    for steps in ("3", "5"):  # the second resumes from the first's checkpoint
+        res = launch.torchrun("08_fsdp.py", 1, args + ["--max-steps", steps], timeout=600, device="cuda", **ENV)
+        assert res.returncode == 0 and res.ok_line(), res.output
+    assert "resumed" in res.output, res.output
+    state = torch.load(tmp_path / "fsdp" / "checkpoint-5" / "state.pt")  # tensors come back where they were saved
+    tensors, todo = [], [state]
+    while todo:
+        x = todo.pop()
+        todo += list(x.values()) if isinstance(x, dict) else list(x) if isinstance(x, (list, tuple)) else []
+        tensors += [x] if isinstance(x, torch.Tensor) else []
+    assert tensors and all(t.device.type == "cpu" for t in tensors), {t.device for t in tensors}
+
+
+def test_resnet_resumes_in_fp16_from_an_fp32_checkpoint(tmp_path):
+    args = ARGS["06_torch_ddp_resnet.py"][:-3] + ["--out", tmp_path / "r"]  # without --precision bf16 --sync-bn
+    first = launch.torchrun("06_torch_ddp_resnet.py", 1, args, timeout=600, device="cuda")
+    assert first.returncode == 0 and first.ok_line(), first.output
+    more = launch.torchrun("06_torch_ddp_resnet.py", 1, args + ["--epochs", "2", "--precision", "fp16"], timeout=600,
+                           device="cuda")
+    assert more.returncode == 0 and more.ok_line() and "resumed" in more.output, more.output

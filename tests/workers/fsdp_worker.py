@@ -78,7 +78,7 @@ def shard_both(base, group=None, **mp):
     """Two copies of base: one sharded by ours, one by PyTorch's fully_shard, block by block, then the root (over
     `group`, default all ranks: ours takes the group, fully_shard a mesh made from it)."""
     ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
-    mesh = DeviceMesh.from_group(group, "cpu") if group is not None else None
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")  # without one: the machine's accelerator
     for m in [*ours.blocks, ours]:
         fsdp.fully_shard(m, process_group=group, **mp)
     for m in [*theirs.blocks, theirs]:
