@@ -28,116 +28,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-# --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
-RANK, WORLD = 0, 1
-
-
-class UsageError(Exception):
-    """Bad input: one line on rank 0 (`error: ...`), exit status 2, no traceback."""
-
-
-def print0(*msg):
-    """The rank-0 narrative: printed once, not N times."""
-    if RANK == 0:
-        print(*msg, flush=True)
-
-
-def log(*msg):
-    """A per-rank line, tagged so interleaved output stays readable; one write, so lines never mix mid-line."""
-    sys.stdout.write(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n")
-    sys.stdout.flush()
-
-
-def number(kind, low, high=math.inf, above=False):
-    """The argparse type of every numeric flag: a finite int or float from `low` (or above it) to `high`."""
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
-            within = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high < math.inf else "")
-            raise argparse.ArgumentTypeError(f"must be {within}, got {text}")
-        return value
-    return parse
-
-
-def parser(doc, timeout_s=120):
-    """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
-    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-
-    def error(message):
-        raise UsageError(message)
-    p.error = error
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
-    p.add_argument("--timeout-s", type=number(float, 1, 30 * 86400), default=timeout_s,
-                   help="how long a rank waits for a dead or stuck peer")
-    return p
-
-
-def choose_device(device, backend, n_gpus, local_rank, local_world):
-    """(device, backend, note) for this rank, from the flags and this node's GPUs, before any process group.
-    NCCL needs a GPU of its own for every rank; gloo runs on the CPU and can also share GPUs between ranks."""
-    if device == "cpu" or (device == "auto" and n_gpus == 0):
-        if backend == "nccl":
-            raise UsageError("--backend nccl runs on CUDA GPUs only: use gloo on the CPU")
-        return torch.device("cpu"), "gloo", None
-    if n_gpus == 0:
-        raise UsageError("--device cuda, but this node has no CUDA GPU: use --device cpu")
-    if n_gpus >= local_world:  # the usual GPU setup: local rank r takes cuda:r
-        return torch.device("cuda", local_rank), backend or "nccl", None
-    fix = f"start --nproc_per_node={n_gpus}, or share the GPU(s) over gloo with --device cuda --backend gloo"
-    if backend == "nccl":  # NCCL refuses two ranks on one GPU
-        raise UsageError(f"nccl needs one GPU per rank, but this node has {n_gpus} for {local_world} ranks: {fix}")
-    if device == "auto":
-        return torch.device("cpu"), "gloo", f"{n_gpus} GPU(s) for {local_world} ranks here, so CPU and gloo; {fix}"
-    return torch.device("cuda", local_rank % n_gpus), "gloo", f"{local_world} ranks share {n_gpus} GPU(s) over gloo"
-
-
-def setup(args, min_world=2):
-    """Choose the device, then join the process group. Global RANK names a process; LOCAL_RANK picks its GPU."""
-    global RANK, WORLD
-    if "RANK" not in os.environ and min_world > 1:
-        raise UsageError(f"launch with torchrun, e.g. torchrun --nproc_per_node={min_world} {sys.argv[0]}")
-    RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if WORLD < min_world:
-        raise UsageError(f"needs at least {min_world} ranks, got WORLD_SIZE={WORLD} (use --nproc_per_node={min_world})")
-    n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
-    device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
-                                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    if note:
-        print0(f"note: {note}")
-    if device.type == "cuda":  # before init, so NCCL binds this rank to its GPU (not device_id=: pytorch#153960)
-        torch.cuda.set_device(device)
-    # A timeout turns a dead peer into an error after --timeout-s instead of a silent 30-minute hang.
-    kw = dict(backend=backend, timeout=timedelta(seconds=args.timeout_s))
-    if "RANK" not in os.environ:  # plain `python`: a group of one, in memory, so the same code runs
-        kw.update(store=dist.HashStore(), rank=0, world_size=1)
-    dist.init_process_group(**kw)
-    return device
-
-
-def run(main, parse_args):
-    """Bad input: one line on rank 0, exit 2. A peer that died or timed out: one line per survivor, exit 1."""
-    code = 0
-    try:
-        main(parse_args())
-    except UsageError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank stops alike; one says why
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        code = 2
-    except RuntimeError as e:  # NCCL raises DistError; gloo, RuntimeErrors from torch.distributed or its transport
-        where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
-        if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
-            raise  # a bug in this rank's own code keeps its traceback
-        what = "timed out waiting for a peer" if "timed out" in text.lower() else "lost a peer"
-        log(f"error: {what} ({text.strip().splitlines()[0][:160]})")
-        os._exit(1)  # no teardown: it would wait for the dead peer
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(code)
-
 
 # --- the idea: point-to-point messages ---
 def who_am_i(device):
@@ -226,6 +116,112 @@ def main(args):
 
 def parse_args():
     return parser(__doc__).parse_args()
+
+
+# --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
+RANK, WORLD = 0, 1
+
+
+class UsageError(Exception):
+    """Bad input: one line on rank 0 (`error: ...`), exit status 2, no traceback."""
+
+
+def print0(*msg):  # the rank-0 narrative: printed once, not N times
+    if RANK == 0:
+        print(*msg, flush=True)
+
+
+def log(*msg):  # a per-rank line, tagged, in one write so that lines of different ranks never mix
+    sys.stdout.write(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n")
+    sys.stdout.flush()
+
+
+def number(kind, low, high=math.inf, above=False):
+    """The argparse type of every numeric flag: a finite int or float from `low` (or above it) to `high`."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
+            bound = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+    return parse
+
+
+def parser(doc, timeout_s=120):
+    """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def error(message):
+        raise UsageError(message)
+    p.error = error
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
+    p.add_argument("--timeout-s", type=number(float, 1, 30 * 86400), default=timeout_s,
+                   help="how long a rank waits for a dead or stuck peer")
+    return p
+
+
+def choose_device(device, backend, n_gpus, local_rank, local_world):
+    """(device, backend, note) from the flags and this node's GPUs. NCCL needs a GPU per rank; gloo shares."""
+    if device == "cpu" or (device == "auto" and n_gpus == 0):
+        if backend == "nccl":
+            raise UsageError("--backend nccl runs on CUDA GPUs only: use gloo on the CPU")
+        return torch.device("cpu"), "gloo", None
+    if n_gpus == 0:
+        raise UsageError("--device cuda, but this node has no CUDA GPU: use --device cpu")
+    if n_gpus >= local_world:  # the usual GPU setup: local rank r takes cuda:r
+        return torch.device("cuda", local_rank), backend or "nccl", None
+    fix = f"start --nproc_per_node={n_gpus}, or share the GPU(s) over gloo with --device cuda --backend gloo"
+    if backend == "nccl":
+        raise UsageError(f"nccl needs one GPU per rank, but this node has {n_gpus} for {local_world} ranks: {fix}")
+    if device == "auto":
+        return torch.device("cpu"), "gloo", f"{n_gpus} GPU(s) for {local_world} ranks here, so CPU and gloo; {fix}"
+    return torch.device("cuda", local_rank % n_gpus), "gloo", f"{local_world} ranks share {n_gpus} GPU(s) over gloo"
+
+
+def setup(args, min_world=2):
+    """Choose the device, then join the process group. Global RANK names a process; LOCAL_RANK picks its GPU."""
+    global RANK, WORLD
+    RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if WORLD < min_world:
+        raise UsageError(f"needs {min_world} or more ranks: launch with torchrun, e.g. torchrun "
+                         f"--nproc_per_node={min_world} {sys.argv[0]}")
+    n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
+    device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if note:
+        print0(f"note: {note}")
+    if device.type == "cuda":  # before init, so NCCL binds this rank to its GPU (not device_id=: pytorch#153960)
+        torch.cuda.set_device(device)
+    # Plain `python` (no torchrun): a group of one, in memory, so the same code runs. The timeout turns a dead peer
+    # into an error after --timeout-s instead of a silent 30-minute hang.
+    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s), **alone)
+    return device
+
+
+def run(main, parse_args):
+    """Bad input: one line on rank 0, exit 2. A peer that died or timed out: one line per survivor, exit 1."""
+    code = 0
+    try:
+        main(parse_args())
+    except UsageError as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank stops alike; one says why
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except RuntimeError as e:  # NCCL raises DistError; gloo, RuntimeErrors from torch.distributed or its transport
+        where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
+        if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
+            raise  # a bug in this rank's own code keeps its traceback
+        what = "timed out waiting for a peer" if "timed out" in text.lower() else "lost a peer"
+        log(f"error: {what} ({text.strip().splitlines()[0][:160]})")
+        os._exit(1)  # no teardown: it would wait for the dead peer
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

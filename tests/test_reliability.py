@@ -45,7 +45,7 @@ def table(tmp):
              ("02_broadcast.py", ["--src", "5"], "both", "--src 5 is not a rank"),
              ("02_broadcast.py", ["--numel", "0"], "both", "argument --numel: must be >= 1"),
              ("03_all_reduce.py", ["--timeout-s", "-1"], "both", "argument --timeout-s: must be >= 1"),
-             ("03_all_reduce.py", [], "rank0of1", "needs at least 2 ranks, got WORLD_SIZE=1"),
+             ("03_all_reduce.py", [], "rank0of1", "needs 2 or more ranks: launch with torchrun"),
              ("04_sampler.py", ["--dataset-size", "0"], "both", "argument --dataset-size: must be >= 1"),
              ("05_manual_ddp_gpt2.py", ["--lr", "0", "--out", out], "both", "argument --lr: must be > 0"),
              ("05_manual_ddp_gpt2.py", ["--weight-decay", "-0.1"], "both", "argument --weight-decay: must be >= 0"),

@@ -13,7 +13,8 @@ SCRIPTS = sorted(p.name for p in REPO.glob("0[0-9]_*.py"))
 
 def setup_block(name):
     text = (REPO / name).read_text()
-    return re.search(r"^# --- distributed setup.*?(?=^# --- )", text, re.S | re.M).group(0)
+    # The lesson comes first: the block is the last thing before the `if __name__ == "__main__":` line.
+    return re.search(r"^# --- distributed setup.*?(?=^if __name__ == \"__main__\":)", text, re.S | re.M).group(0)
 
 
 def test_every_script_has_the_same_setup_block():
