@@ -21,6 +21,7 @@ import math
 import os
 import socket
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -221,6 +222,10 @@ def run(main, parse_args):
         os._exit(1)  # no teardown: it would wait for the dead peer
     if dist.is_initialized():
         dist.destroy_process_group()
+        # gloo's threads may still hold the last reference to a finished collective; freeing it takes the GIL,
+        # which no thread gets once the interpreter is finalising ("terminate called without an active
+        # exception", SIGABRT). A moment here lets them finish first.
+        time.sleep(0.05)
     sys.exit(code)
 
 

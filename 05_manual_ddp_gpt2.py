@@ -67,6 +67,7 @@ class _Bucket:
         self._buffer = self.flat
         self.views = self.gradients()  # parameter i's .grad IS views[i]: no copy in, no copy out
         self.ready, self.pending, self.future = [False] * len(params), len(params), None
+        self.zeroed = set()  # slots whose view forward zeroed for a gradient to come (see ManualDDP._grad_arriving)
         self.work = None  # the last all-reduce's Work, kept until the next one: see ManualDDP._launch
 
     def __getstate__(self):  # a copy of the wrapper has no message in flight
@@ -223,10 +224,15 @@ class ManualDDP(nn.Module, Joinable):
         self._unused, self._graph_static = [], True  # find_unused_parameters: for _get_ddp_logging_data
         self._hook_counts = [0] * len(self.params)  # static_graph: hooks per parameter seen in the first backward
         self._divisor, self._divide_by_initial, self._fresh, self._joining = self.world, True, set(), False
+        # A synced backward that never reached _finish (it raised), or parameters left without a gradient: DDP's
+        # errors at the next forward, and the last one for _get_ddp_logging_data.
+        self._expect_finish, self._unreduced, self._error = False, [], None
         # delay_all_reduce_named_params: one bucket of its own, sent when param_to_hook_all_reduce's gradient is
         # computed (for parameters another parallelism treats first).
         self._delayed = [_Bucket(list(delayed.values()), -1, 0)] if delayed else []  # zero or one bucket
         self._delay_trigger = param_to_hook_all_reduce if delayed else None
+        for slot, p in enumerate(self._delayed[0].params if delayed else []):
+            self._slot[id(p)] = (self._delayed[0], slot)
         self._register_autograd_hooks()
 
     def _register_autograd_hooks(self):
@@ -234,7 +240,10 @@ class ManualDDP(nn.Module, Joinable):
         # anew) must be freed, not stay alive through its hooks and keep answering every backward.
         me = weakref.ref(self)
         for i, p in enumerate(self.params):
+            p.register_hook(functools.partial(_call, me, "_grad_arriving", p))
             p.register_post_accumulate_grad_hook(functools.partial(_call, me, "_on_grad_ready", i))
+        for p in self._delayed[0].params if self._delayed else []:
+            p.register_hook(functools.partial(_call, me, "_grad_arriving", p))
         if self._delay_trigger is not None:
             self._delay_trigger.register_hook(functools.partial(_call, me, "_launch_delayed"))
 
@@ -247,6 +256,7 @@ class ManualDDP(nn.Module, Joinable):
             dist.all_reduce(torch.tensor([float(self.require_backward_grad_sync)], device=self.device),
                             group=self.process_group, async_op=True)
         if torch.is_grad_enabled():
+            self._check_prior_reduction()
             if self.require_backward_grad_sync:  # not in no_sync micro-steps: those stay free of communication
                 self._maybe_rebuild()
             self._grads_into_buckets()
@@ -260,10 +270,10 @@ class ManualDDP(nn.Module, Joinable):
         return output
 
     def _grads_into_buckets(self):
-        """Make every missing .grad a zeroed view of its bucket, so that backward writes straight into it."""
+        """Zero the bucket slots of every missing .grad: each becomes a view of its slot when its gradient comes."""
         # Autograd adds a new gradient INTO an existing .grad, in place; only a missing one (None, as after
-        # optimizer.zero_grad()) gets a fresh tensor. With .grad already a view of the bucket there is
-        # nothing to copy in and nothing to copy back (PyTorch's DDP copies in, then out again by default).
+        # optimizer.zero_grad()) gets a fresh tensor. With .grad a view of the bucket there is nothing to copy in
+        # and nothing to copy back (PyTorch's DDP copies in, then out again by default).
         self._fresh = set()  # parameters whose .grad this forward created (find_unused: None again if no rank used it)
         for b in self.buckets + self._delayed:
             missing = [i for i, p in enumerate(b.params) if p.grad is None]
@@ -274,12 +284,23 @@ class ManualDDP(nn.Module, Joinable):
             else:  # only some were set to None: keep the gradients the others hold
                 for i in missing:
                     b.views[i].zero_()
-            for i in missing:
-                b.params[i].grad = b.views[i]
+            b.zeroed = set(missing)
+
+    def _grad_arriving(self, p, grad):
+        """Runs inside backward just before autograd adds p's gradient into p.grad: a missing .grad becomes the
+        (zeroed) view of p's bucket slot now, not in forward, so that a parameter that backward never reaches
+        keeps .grad None, as under DDP (torch.func.functional_call, gradients autograd leaves undefined)."""
+        if p.grad is None and grad is not None:  # an undefined gradient adds nothing: .grad stays None
+            bucket, slot = self._slot[id(p)]
+            if slot not in bucket.zeroed:  # forward did not zero it (it bypassed the wrapper)
+                bucket.views[slot].zero_()
+            bucket.zeroed.discard(slot)
+            p.grad = bucket.views[slot]
+        return grad
 
     def _on_grad_ready(self, i, p):
         """Runs inside backward, right after autograd added parameter i's gradient into p.grad."""
-        if self.find_unused_parameters:
+        if self.find_unused_parameters and p.grad is not None:  # None: autograd's gradient was undefined
             self._used[i] = 1  # used since the last sync (no_sync micro-steps count too)
         if not self.require_backward_grad_sync:
             return  # accumulating locally: no communication at all
@@ -288,6 +309,11 @@ class ManualDDP(nn.Module, Joinable):
             self._hook_counts[i] += 1  # the first backward only counts (reentrant checkpointing fires twice)
             return
         if self.static_graph:
+            if self._hook_counts[i] == 0:  # worded as DDP's error, which tools and PyTorch's tests match on
+                raise self._record(RuntimeError(
+                    f"Your training graph has changed in this iteration: {self.names[i]} got a gradient, but none "
+                    "in the first iteration, which static_graph=True takes as the graph of every iteration. Use "
+                    "static_graph=False (with find_unused_parameters=True if parameters go unused)."))
             self._left[i] -= 1
             if self._left[i] > 0:
                 return  # this gradient is not complete yet
@@ -303,7 +329,7 @@ class ManualDDP(nn.Module, Joinable):
 
     def _queue_finish(self):
         if not self._queued:  # first gradient of this backward: run _finish once the whole backward is done
-            self._queued = True
+            self._queued = self._expect_finish = True
             self._left = list(self._hook_counts)
             # The autograd engine's queue_callback is a private API; PyTorch's own DDP relies on it too.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -352,6 +378,7 @@ class ManualDDP(nn.Module, Joinable):
     def _finish(self):
         """End of backward: flush buckets whose gradients never came, wait for every bucket, clean up."""
         self._queued = False
+        self._unreduced = self._missing()
         for b in self.buckets[self._next:]:
             for slot, ready in enumerate(b.ready):
                 if not ready:  # unused on this rank (or, with static_graph, the first backward)
@@ -376,7 +403,50 @@ class ManualDDP(nn.Module, Joinable):
                 if i in self._fresh:
                     self.params[i].grad = None
             self._used.zero_()
-        self._syncs, self._next = self._syncs + 1, 0
+        for b in self.buckets + self._delayed:
+            b.zeroed = set()
+        self._syncs, self._next, self._expect_finish = self._syncs + 1, 0, False
+
+    def _missing(self):
+        """The parameters that DDP would call unreduced at the end of this backward: without
+        find_unused_parameters every one must get a gradient; with static_graph, every one the first backward saw."""
+        if self.find_unused_parameters or (self.static_graph and self._syncs == 0):
+            return []
+        return [i for b in self.buckets for slot, i in enumerate(self.layout[b.index()])
+                if not b.ready[slot] and (not self.static_graph or self._hook_counts[i] > 0)]
+
+    def _check_prior_reduction(self):
+        """DDP's check before a forward: the last synced backward must have finished, every gradient reduced."""
+        if self._expect_finish:  # that backward raised before its end: its buckets are half done
+            self._unreduced, self._expect_finish, self._queued, self._next = self._missing(), False, False, 0
+            for b in self.buckets + self._delayed:
+                if b.future is not None:
+                    b.future.wait()  # the all-reduces already launched, on every rank alike
+                b.ready, b.pending, b.future = [False] * len(b.params), len(b.params), None
+        if not self._unreduced:
+            return
+        names = ", ".join(self.names[i] for i in self._unreduced)
+        indices = ", ".join(map(str, self._unreduced))
+        rank, self._unreduced = dist.get_rank(self.process_group), []
+        # Worded as DDP's message (tools and PyTorch's own tests match on its phrases), with the names always.
+        if self.static_graph:
+            why = ("This error indicates that your training graph has changed in this iteration, e.g., one parameter "
+                   "is used in first iteration, but then got unused in the second iteration. this is not compatible "
+                   "with static_graph set to True.")
+        else:
+            why = ("Some parameters got no gradient in the last backward that synchronised: enable unused parameter "
+                   "detection by passing the keyword argument `find_unused_parameters=True` to ManualDDP, and make "
+                   "sure all `forward` function outputs participate in calculating loss. (PyTorch's DDP names "
+                   "them only if you set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or "
+                   "DETAIL; ManualDDP always does.)")
+        raise self._record(RuntimeError(
+            f"Expected to have finished reduction in the prior iteration before starting a new one. {why}\n"
+            f"Parameter indices which did not receive grad for rank {rank}: {indices}\n"
+            f"Parameters which did not receive grad for rank {rank}: {names}"))
+
+    def _record(self, error):
+        self._error = str(error)  # for _get_ddp_logging_data, as DDP logs its errors
+        return error
 
     # -- the buckets' layout, rebuilt once from the observed order --
     def _set_buckets(self, layout):
@@ -384,9 +454,12 @@ class ManualDDP(nn.Module, Joinable):
         self.buckets = [_Bucket([self.params[i] for i in idx], k, len(layout)) for k, idx in enumerate(layout)]
         self.layout = [list(idx) for idx in layout]
         self._where = [None] * len(self.params)
+        # id(parameter) -> (bucket, slot), for the tensor hooks; the delayed bucket's entries stay as they are.
+        self._slot = {k: v for k, v in getattr(self, "_slot", {}).items() if v[0].index() < 0}
         for b, idx in zip(self.buckets, layout):
             for slot, i in enumerate(idx):
                 self._where[i] = (b, slot)
+                self._slot[id(self.params[i])] = (b, slot)
                 if grads[i] is not None:  # carry accumulated gradients over into the new buckets
                     b.views[slot].copy_(grads[i])
                     self.params[i].grad = b.views[slot]
@@ -505,7 +578,11 @@ class ManualDDP(nn.Module, Joinable):
     def __setstate__(self, state):
         super().__setstate__(state)
         self.process_group = dist.group.WORLD
-        self._register_autograd_hooks()  # tensors are pickled without their hooks
+        # The copy's parameters are new objects: index them again, and give them hooks (tensors are pickled without)
+        self._slot = {id(self.params[i]): where for i, where in enumerate(self._where)}
+        for slot, p in enumerate(self._delayed[0].params if self._delayed else []):
+            self._slot[id(p)] = (self._delayed[0], slot)
+        self._register_autograd_hooks()
 
     def _get_ddp_logging_data(self):
         """DDP's summary of itself (private, but Lightning's teardown reads it): the keys DDP fills from its
@@ -539,6 +616,8 @@ class ManualDDP(nn.Module, Joinable):
         # changed between iterations); a static graph is reported when DDP is destroyed.
         if not self._graph_static:
             data["can_set_static_graph"] = 0
+        if self._error is not None:  # as DDP after it raised
+            data.update(iteration=self._syncs, has_error=1, error=self._error)
         return data
 
     def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
@@ -1347,6 +1426,10 @@ def run(main, parse_args):
         os._exit(1)  # no teardown: it would wait for the dead peer
     if dist.is_initialized():
         dist.destroy_process_group()
+        # gloo's threads may still hold the last reference to a finished collective; freeing it takes the GIL,
+        # which no thread gets once the interpreter is finalising ("terminate called without an active
+        # exception", SIGABRT). A moment here lets them finish first.
+        time.sleep(0.05)
     sys.exit(code)
 
 

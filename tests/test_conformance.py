@@ -28,13 +28,11 @@ CHOSEN = {
     "test_ddp_grad_div_uneven_inputs": "join(divide_by_initial_world_size=True) after a join(False) divides by the "
                                        "world size again",
     "test_ddp_broadcast_buffers_deprecation_warning": "passing broadcast_buffers warns (FutureWarning), as in DDP 2.14",
-}
-# Tests of the same suite that ManualDDP does not pass yet, though they use only public API. Once one passes it
-# fails here, as a reminder to move it up into CHOSEN.
-KNOWN_GAPS = {
-    "test_stateless_api_with_ddp": "a parameter that got no gradient on any rank gets a zero .grad from ManualDDP; "
-                                   "DDP leaves it None",
-    "test_invalid_static_graph": "static_graph=True with a graph that changes: DDP raises, ManualDDP does not check",
+    "test_ddp_unused_params_rebuild_buckets_exception": "a parameter unused without find_unused_parameters: DDP's "
+                                                        "error at the next forward, naming it, and logged",
+    "test_invalid_static_graph": "static_graph=True with a graph that changes: DDP's two errors",
+    "test_stateless_api_with_ddp": "torch.func.functional_call through the wrapper leaves the module's .grad None",
+    "test_undefined_grad_parity_unused_parameters": "undefined gradients leave .grad None, as in one process",
 }
 
 pytestmark = [
@@ -47,7 +45,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
     out = tmp_path_factory.mktemp("conformance")
-    names = [*CHOSEN, *KNOWN_GAPS]
+    names = list(CHOSEN)
     cmd = [sys.executable, "tests/ddp_conformance.py", "--impl", "manual", "--world-size", "2", "--timeout", "60",
            "--gpu-tests-on-cpu", "--out", str(out), "-k", f"^({'|'.join(names)})$"]
     res = launch.run(cmd, timeout=240)
@@ -62,11 +60,3 @@ def verdicts(tmp_path_factory):
 def test_pytorch_ddp_test_passes_on_manual_ddp(verdicts, name):
     ev = verdicts[name]
     assert ev["status"] == "pass", f"{name} ({CHOSEN[name]}): {ev['status']}\n{ev['detail']}"
-
-
-@pytest.mark.parametrize("name", KNOWN_GAPS)
-def test_known_gap(verdicts, name):
-    ev = verdicts[name]
-    if ev["status"] != "pass":
-        pytest.xfail(f"{KNOWN_GAPS[name]}: {ev['status']}")
-    pytest.fail(f"{name} passes on ManualDDP now: move it from KNOWN_GAPS to CHOSEN")

@@ -364,7 +364,7 @@ def check_training(steps=4):
     torch.manual_seed(0)
     base = Tiny()
     ref, ours, naive, theirs = (copy.deepcopy(base) for _ in range(4))
-    manual = ManualDDP(ours, bucket_cap_mb=0.00005)  # 52-byte cap: once rebuilt, every tensor has its own bucket
+    manual = ManualDDP(ours, bucket_cap_mb=0.00005, find_unused_parameters=True)  # 52-byte cap: a bucket a tensor
     for t in naive.parameters():  # the naive tutorial: rank 0's weights, then average_gradients after backward
         dist.broadcast(t.data, src=0)
     torch_ddp = nn.parallel.DistributedDataParallel(theirs, bucket_cap_mb=0.00005, find_unused_parameters=True)
@@ -390,12 +390,12 @@ def check_training(steps=4):
     close(list(ours.parameters()), list(ref.parameters()), "weights after steps: manual vs single process")
     close(list(ours.parameters()), list(theirs.parameters()), "weights after steps: manual vs torch DDP")
     assert identical_across_ranks(list(ours.parameters())), "weights differ across ranks"
-    # Step 0 runs as one bucket (DDP's rule); from step 1 on the buckets are rebuilt, one per tensor here. On rank 0,
-    # which uses every parameter, each bucket went out from a backward hook while backward was still running. (On
-    # the others the bucket of the unused 'extra' only completes at the end of backward, and buckets launch in order.)
+    # Ranks other than 0 never use 'extra': as under DDP, that takes find_unused_parameters=True, whose buckets are
+    # cut by size once, from the start (one per tensor here). On rank 0, which uses every parameter, each bucket
+    # went out from a backward hook while backward was still running, in every step.
     assert len(manual.buckets) == len(list(ours.parameters())), len(manual.buckets)
     if RANK == 0:
-        assert launched_early == [1] + [len(manual.buckets)] * (steps - 1), launched_early
+        assert launched_early == [len(manual.buckets)] * steps, launched_early
     return len(manual.buckets)
 
 

@@ -1,5 +1,6 @@
 """A training script written as nanoGPT's train.py is: module-level code, the wrapper alive until the interpreter
-exits, destroy_process_group() as the last line. Argument: manual (05's ManualDDP), zero (07's ZeroDDP) or torch.
+exits, destroy_process_group() as the last line. Argument: manual (05's ManualDDP), zero (07's ZeroDDP), or
+torch-via-run (PyTorch's DDP, ended by the scripts' run()).
 
 FORCE_IDLE=1 makes the exit race it checks happen every time instead of once in several launches: each rank runs on
 one core and gloo's threads (started by init_process_group) get SCHED_IDLE, so they run only while the main thread
@@ -28,16 +29,27 @@ if os.environ.get("FORCE_IDLE") == "1":
 torch.manual_seed(dist.get_rank())
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
 kind = sys.argv[1]
+
+
+def train(ddp, opt):
+    for _ in range(5):
+        ddp(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if dist.get_rank() == 0:
+        print(f"OK {kind}: 5 steps, exiting", flush=True)
+
+
+if kind == "torch-via-run":
+    # PyTorch's own DDP, ended as every numbered script ends: the setup block's run() (destroy, then a moment for
+    # gloo's threads). PyTorch's DDP cannot keep its Works alive for us, so this is the scripts' whole defence.
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    load_script("01_send_recv.py").run(lambda args: train(ddp, opt), lambda: None)
 if kind == "zero":
     ddp = opt = load_script("07_zero.py").ZeroDDP(model, torch.optim.SGD, lr=0.1)
 else:
-    wrap = load_script("05_manual_ddp_gpt2.py").ManualDDP if kind == "manual" else nn.parallel.DistributedDataParallel
-    ddp = wrap(model)
+    ddp = load_script("05_manual_ddp_gpt2.py").ManualDDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-for _ in range(5):
-    ddp(torch.randn(8, 16)).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
-if dist.get_rank() == 0:
-    print(f"OK {kind}: 5 steps, exiting", flush=True)
+train(ddp, opt)
 dist.destroy_process_group()
