@@ -666,7 +666,7 @@ def main(args):
         lock.close()
 
 
-def parse_args():
+def parse_args(argv=None):
     p = parser(__doc__, timeout_s=300)
     count = number(int, 1)
     g = p.add_argument_group("model and data")
@@ -690,7 +690,7 @@ def parse_args():
     g.add_argument("--ckpt-every", type=count, default=10, help="steps between checkpoints")
     g.add_argument("--log-every", type=count, default=10, help="steps between loss lines")
     g.add_argument("--profile", default=None, help="directory for a torch.profiler trace of our run, per rank")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
     for flag, path in (("--out", args.out), ("--profile", args.profile)):  # last: they make the directories

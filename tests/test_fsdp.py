@@ -83,3 +83,21 @@ def test_clip_grad_norm_uses_pytorchs_norm_kernel(script, monkeypatch):
         assert all(torch.equal(t.grad.full_tensor(), o.grad) for t, o in zip(theirs, ours))
     finally:
         dist.destroy_process_group()
+
+
+def test_fully_shard_gets_a_mesh_on_the_chosen_device(script, monkeypatch):
+    # Without a mesh, fully_shard builds one on torch._C._get_accelerator(): CUDA wherever a GPU exists, even when
+    # the script chose the CPU (more ranks than GPUs, --device cpu). Here the machine pretends to have CUDA: 08's
+    # PyTorch column must not ask, and its parameters must live on a CPU mesh.
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    asked = []
+    monkeypatch.setattr(torch._C, "_get_accelerator", lambda: asked.append(1) or torch.device("cuda"))
+    fsdp = script(SCRIPT)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, _, _ = fsdp.build("fully_shard", fsdp.parse_args(TINY), torch.device("cpu"), None)
+        meshes = {p.device_mesh.device_type for p in model.parameters() if isinstance(p, DTensor)}
+        assert meshes == {"cpu"} and not asked, (meshes, asked)
+    finally:
+        dist.destroy_process_group()
