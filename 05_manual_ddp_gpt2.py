@@ -469,7 +469,9 @@ class ManualDDP(nn.Module, Joinable):
             return
         # Ready order as observed, then anything that never fired (unused) in parameter order. Every rank takes
         # the group's first rank's order: the buckets must be the same everywhere.
-        order = self._order + [i for i in range(len(self.params)) if i not in set(self._order)]
+        # (Each index once: with static_graph, more than one backward may run before the rebuilding forward.)
+        order = list(dict.fromkeys(self._order))
+        order += [i for i in range(len(self.params)) if i not in set(order)]
         order = torch.tensor(order, dtype=torch.int64, device=self.device)
         dist.broadcast(order, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
         self._set_buckets(bucket_layout(self.params, order.tolist(), self._caps))

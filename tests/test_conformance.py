@@ -33,6 +33,7 @@ CHOSEN = {
     "test_invalid_static_graph": "static_graph=True with a graph that changes: DDP's two errors",
     "test_stateless_api_with_ddp": "torch.func.functional_call through the wrapper leaves the module's .grad None",
     "test_undefined_grad_parity_unused_parameters": "undefined gradients leave .grad None, as in one process",
+    "test_ddp_static_graph_nested_types": "a static_graph wrapper around another wrapper: two backwards per forward",
 }
 
 pytestmark = [
