@@ -51,17 +51,13 @@ Results (torch 2.14.1+cu130, gloo, CPU, 2 ranks; ManualDDP as of 2026-11-24):
   | as PyTorch runs it, 3 ranks  | torch  |   12 |          0 |       0 |   91 |
   |                              | manual |    8 |          4 |       0 |   91 |
   | --gpu-tests-on-cpu           | torch  |   71 |         22 |       1 |    9 |
-  |                              | manual |   47 |         47 |       0 |    9 |
-Of the 71 that pass on PyTorch's DDP (--gpu-tests-on-cpu; it includes the 12), ManualDDP passes 45 (and 2 that
-PyTorch's DDP refuses: SyncBatchNorm on CPU). 21 need an internal: reducer (3), _set_params_and_buffers_to_ignore_
-for_model (3), _register_buffer_comm_hook (3), _build_params_for_reducer (2), _register_builtin_comm_hook,
-_set_ddp_runtime_logging_sample_rate, _set_static_graph, _set_ddp_sink_clone, _remove_autograd_hooks,
-_get_ddp_logging_data() fields (2), bucket_bytes_cap_list, broadcast_bucket_size, the reducer's profiler range.
-5 are behavioural gaps: .grad left None for parameters that get no gradient (2: torch.func.functional_call,
-undefined gradients), and DDP's errors for unused parameters without find_unused_parameters (2) and for a graph
-that changes under static_graph=True. (Pickling, join's divisor after join(False), the broadcast_buffers
-FutureWarning and the device_mesh attribute were gaps until 2026-11-24; the "as PyTorch runs it" rows above are
-from before those fixes.)
+  |                              | manual |   52 |         42 |       0 |    9 |
+Of the 71 that pass on PyTorch's DDP (--gpu-tests-on-cpu; it includes the 12), ManualDDP passes all 50 that use
+only DDP's public API (and 2 that PyTorch's DDP refuses: SyncBatchNorm on CPU). 21 need an internal: reducer (3),
+_set_params_and_buffers_to_ignore_for_model (3), _register_buffer_comm_hook (3), _build_params_for_reducer (2),
+_register_builtin_comm_hook, _set_ddp_runtime_logging_sample_rate, _set_static_graph, _set_ddp_sink_clone,
+_remove_autograd_hooks, _get_ddp_logging_data() fields (2), bucket_bytes_cap_list, broadcast_bucket_size, the
+reducer's profiler range. (The "as PyTorch runs it" rows above are from before the 2026-11-24 fixes.)
 """
 
 import argparse
