@@ -10,8 +10,10 @@ pytest.importorskip("accelerate", reason="pip install -r requirements-dev.txt")
 pytest.importorskip("lightning", reason="pip install -r requirements-dev.txt")
 
 
-def test_hugging_face_and_lightning_trainers_run_manual_ddp_bit_for_bit(tmp_path):
-    res = launch.run(launch.torchrun_cmd("tests/workers/clients_worker.py", 3, ["hf", "lightning", tmp_path]),
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_hugging_face_and_lightning_trainers_run_manual_ddp_bit_for_bit(tmp_path, ranks):
+    res = launch.run(launch.torchrun_cmd("tests/workers/clients_worker.py", ranks, ["hf", "lightning", tmp_path]),
                      timeout=240)
     assert not res.timed_out and res.returncode == 0, res.output
     assert res.ok_line() and "Hugging Face Trainer" in res.ok_line() and "Lightning" in res.ok_line(), res.output
+    assert f"on {ranks} ranks" in res.ok_line(), res.output
