@@ -7,7 +7,9 @@ from the same initial weights and data; the weights must be equal bit for bit, a
              transformers', the Trainer's own seeding, sampler and AdamW with a schedule).
   lightning: Lightning's Trainer(strategy="ddp"): a model with BatchNorm, accumulate_grad_batches and
              gradient_clip_val, fit to the end, teardown included.
-Usage: torchrun --nproc_per_node=2 tests/workers/clients_worker.py [hf] [lightning] OUT_DIR
+  fabric:    Lightning Fabric's strategy="ddp": a hand-written loop with fabric.no_backward_sync (accumulation),
+             fabric.clip_gradients, a frozen bias and BatchNorm.
+Usage: torchrun --nproc_per_node=2 tests/workers/clients_worker.py [hf] [lightning] [fabric] OUT_DIR
 """
 
 import contextlib
@@ -131,9 +133,36 @@ def lightning(out):
     return "Lightning Trainer(strategy='ddp'), BatchNorm, accumulate_grad_batches 2, gradient_clip_val"
 
 
+# --- Lightning Fabric ---
+def fabric(out):
+    import lightning.fabric as lf
+    import lightning.fabric.strategies.ddp as strategy
+    fab = lf.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp")
+    fab.launch()  # under torchrun: joins the process group already there
+    runs = []
+    for cls in (strategy.DistributedDataParallel, ManualDDP):
+        torch.manual_seed(fab.global_rank)  # each rank its own init: the wrapper must broadcast rank 0's
+        model = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
+        model[0].bias.requires_grad_(False)  # frozen, and different per rank until broadcast
+        g = torch.Generator().manual_seed(fab.global_rank)
+        with ddp_class(strategy, cls):  # for the whole loop: no_backward_sync checks the class too
+            wrapped, opt = fab.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+            for _ in range(4):
+                for micro in range(2):
+                    x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+                    with fab.no_backward_sync(wrapped, enabled=micro == 0):
+                        fab.backward(nn.functional.cross_entropy(wrapped(x), y) / 2)
+                fab.clip_gradients(wrapped, opt, max_norm=0.5)
+                opt.step()
+                opt.zero_grad()
+        runs.append(({k: v.detach().clone() for k, v in model.state_dict().items()}, wrapped._forward_module, model))
+    compare(runs, "Lightning Fabric", 4)
+    return "Lightning Fabric(strategy='ddp'), frozen bias, BatchNorm, no_backward_sync, clip_gradients"
+
+
 def main():
     clients, out = sys.argv[1:-1], sys.argv[-1]
-    said = [{"hf": hf, "lightning": lightning}[client](out) for client in clients]
+    said = [{"hf": hf, "lightning": lightning, "fabric": fabric}[client](out) for client in clients]
     if dist.get_rank() == 0:
         print(f"OK {'; '.join(said)}: ManualDDP == PyTorch's DDP bit for bit on {dist.get_world_size()} ranks",
               flush=True)
