@@ -43,10 +43,11 @@ def bits(a, b):
 
 
 def compare(runs, what, steps):
-    """Two runs' (state_dict, wrapper, model): PyTorch's class and ours were used, the weights and buffers equal bit
+    """Two runs' (wrapper, model): PyTorch's class and ours were used, the weights and buffers equal bit
     for bit, and our run's parameters identical across ranks (buffers are each rank's own after the last forward).
     Ours synchronized once per optimizer step: the client accumulated under no_sync()."""
-    (a, wrapped_a, _), (b, wrapped_b, model) = runs
+    (wrapped_a, model_a), (wrapped_b, model) = runs
+    a, b = model_a.state_dict(), model.state_dict()  # each model is left as its run ended
     assert type(wrapped_a).__name__ == "DistributedDataParallel" and type(wrapped_b) is ManualDDP, \
         (type(wrapped_a), type(wrapped_b))
     assert wrapped_b._syncs == steps, (what, wrapped_b._syncs, steps)
@@ -86,9 +87,9 @@ def hf(out):
             trainer.train()
             trainer.save_model()  # unwraps the model through accelerate, rank 0 writes
         dist.barrier()
-        runs.append(({k: v.detach().clone() for k, v in model.state_dict().items()}, trainer.model_wrapped, model))
+        runs.append((trainer.model_wrapped, model))
         saved = GPT2LMHeadModel.from_pretrained(args.output_dir).state_dict()
-        assert all(bits(saved[k], v) for k, v in runs[-1][0].items() if k in saved), "the saved model differs"
+        assert all(bits(saved[k], v) for k, v in model.state_dict().items() if k in saved), "the saved model differs"
     compare(runs, "Hugging Face Trainer", trainer.state.global_step)
     return "Hugging Face Trainer (accelerate), find_unused_parameters, accumulation 2, clipping"
 
@@ -128,7 +129,7 @@ def lightning(out):
                              callbacks=[seen])
         with ddp_class(strategy, cls):
             trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8, shuffle=True))
-        runs.append(({k: v.detach().clone() for k, v in model.state_dict().items()}, seen.wrapper, model))
+        runs.append((seen.wrapper, model))
     compare(runs, "Lightning Trainer", trainer.global_step)
     return "Lightning Trainer(strategy='ddp'), BatchNorm, accumulate_grad_batches 2, gradient_clip_val"
 
@@ -138,8 +139,8 @@ def fabric(out):
     import lightning.fabric as lf
     import lightning.fabric.strategies.ddp as strategy
     fab = lf.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp")
-    fab.launch()  # under torchrun: joins the process group already there
-    runs = []
+    fab.launch()  # under torchrun it starts no process: it uses (or makes) the job's process group
+    runs, steps = [], 4
     for cls in (strategy.DistributedDataParallel, ManualDDP):
         torch.manual_seed(fab.global_rank)  # each rank its own init: the wrapper must broadcast rank 0's
         model = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
@@ -147,7 +148,7 @@ def fabric(out):
         g = torch.Generator().manual_seed(fab.global_rank)
         with ddp_class(strategy, cls):  # for the whole loop: no_backward_sync checks the class too
             wrapped, opt = fab.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-            for _ in range(4):
+            for _ in range(steps):
                 for micro in range(2):
                     x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
                     with fab.no_backward_sync(wrapped, enabled=micro == 0):
@@ -155,8 +156,8 @@ def fabric(out):
                 fab.clip_gradients(wrapped, opt, max_norm=0.5)
                 opt.step()
                 opt.zero_grad()
-        runs.append(({k: v.detach().clone() for k, v in model.state_dict().items()}, wrapped._forward_module, model))
-    compare(runs, "Lightning Fabric", 4)
+        runs.append((wrapped._forward_module, model))
+    compare(runs, "Lightning Fabric", steps)
     return "Lightning Fabric(strategy='ddp'), frozen bias, BatchNorm, no_backward_sync, clip_gradients"
 
 
