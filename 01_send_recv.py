@@ -1,17 +1,21 @@
 """01 - Point-to-point messages: who is who in a job, and the only thing every collective is built from.
 
 What it teaches, in order:
-  0. who am I: each rank's global rank, local rank, node, world size and device, and the same ranks named as a
+  0. joining a job: the environment variables torchrun gives each process (its rank, the world size, its local
+     rank), and dist.init_process_group, the call that makes the processes one group;
+  1. who am I: each rank's global rank, local rank, node, world size and device, and the same ranks named as a
      grid (nodes x ranks per node) by a DeviceMesh;
-  1. blocking send/recv: rank 0 hands every other rank its own tensor;
-  2. non-blocking isend/irecv: every rank sends to rank 0 at once, overlapping the wait with work; checked equal
+  2. blocking send/recv: rank 0 hands every other rank its own tensor;
+  3. non-blocking isend/irecv: every rank sends to rank 0 at once, overlapping the wait with work; checked equal
      to the library's dist.gather;
-  3. a token passed around a ring (one hop at a time), then a ring shift where every rank sends and receives at
+  4. a token passed around a ring (one hop at a time), then a ring shift where every rank sends and receives at
      once (batch_isend_irecv: posting both sides together is what keeps NCCL from deadlocking).
+Break it: --blocking does the ring shift with a blocking send() then recv() on every rank, the classic deadlock,
+and ends in one error line after --timeout-s (10 s with --blocking unless given).
 Latency and bandwidth per message size: benchmarks/send_recv.py.
 
 Run it (any N >= 2):
-  CPU:      torchrun --nproc_per_node=2 01_send_recv.py
+  CPU:      torchrun --nproc_per_node=2 01_send_recv.py [--blocking]
   N GPUs:   torchrun --nproc_per_node=N 01_send_recv.py        (nccl, one GPU per rank)
   2 nodes:  torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 01_send_recv.py
 """
@@ -30,28 +34,61 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 
-# --- the idea: point-to-point messages ---
-def who_am_i(device):
+# --- the idea: join the job, then point-to-point messages ---
+def join(args):
+    """Who this process is, and the call that makes N processes one group. Returns (rank, world size, device).
+
+    02-08 do the same in setup(), in the setup block at the end of each script.
+    """
+    # torchrun starts this file once per rank; each copy learns who it is from environment variables:
+    #   RANK, WORLD_SIZE              its number in the whole job (0 .. WORLD_SIZE-1), and how many there are
+    #   LOCAL_RANK, LOCAL_WORLD_SIZE  the same on its own node: the local rank picks the GPU
+    #   MASTER_ADDR, MASTER_PORT      where rank 0 keeps the store that every process dials to find the others
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if world < 2:  # plain `python 01_send_recv.py` sets none of them: a job of one has nobody to talk to
+        raise UsageError(f"needs 2 or more ranks: launch with torchrun, e.g. torchrun --nproc_per_node=2 {sys.argv[0]}")
+    global RANK, WORLD  # what print0 and log (setup block) tag their lines with
+    RANK, WORLD = rank, world
+    # NCCL on cuda:LOCAL_RANK when this node has a GPU for every local rank, else gloo on the CPU (choose_device, in
+    # the setup block, decides and says why). --device cpu never asks CUDA.
+    n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()
+    device, backend, note = choose_device(args.device, args.backend, n_gpus, local_rank, local_world)
+    if note:
+        print0(f"note: {note}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init, so that NCCL binds this rank to its GPU
+    # The first distributed call. It reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment and
+    # returns once all WORLD_SIZE processes have called it. Its timeout turns a peer that never comes, or a wait
+    # that never ends (see --blocking), into an error instead of a hang.
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+    return rank, world, device
+
+
+def who_am_i(rank, world, device):
     """Global rank names a process in the whole job; local rank names it on its node (and picks its GPU)."""
-    me = (RANK, int(os.environ.get("LOCAL_RANK", 0)), f"{os.environ.get('GROUP_RANK', 0)} ({socket.gethostname()})",
-          WORLD, str(device))
-    table = [None] * WORLD
+    node = f"{os.environ.get('GROUP_RANK', 0)} ({socket.gethostname()})"  # GROUP_RANK: torchrun's node number
+    me = (rank, int(os.environ.get("LOCAL_RANK", 0)), node, world, str(device))
+    table = [None] * world
     dist.all_gather_object(table, me)  # every rank's row, on every rank
     print0("| global rank | local rank | node | world size | device |\n|---:|---:|---|---:|---|")
     for row in table:
         print0("| " + " | ".join(map(str, row)) + " |")
     # The same ranks as a grid: one row per node, one column per local rank. Parallelisms beyond data
     # parallel (tensor, pipeline, FSDP's hybrid sharding) are laid out on such a mesh, one dimension each.
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", WORLD))
-    mesh = init_device_mesh(device.type, (WORLD // per_node, per_node), mesh_dim_names=("node", "local"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("node", "local"))
     print0(f"DeviceMesh, dimensions {mesh.mesh_dim_names}: {mesh.mesh.tolist()}")
-    log(f"my (node, local) coordinate in the mesh: {tuple(mesh.get_coordinate())}")
+    log_in_rank_order(f"my (node, local) coordinate in the mesh: {tuple(mesh.get_coordinate())}")
 
 
 def main(args):
-    device = setup(args)
-    print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} torch={torch.__version__}")
-    who_am_i(device)
+    rank, world, device = join(args)
+    print0(f"world_size={world} backend={dist.get_backend()} device={device.type} torch={torch.__version__}")
+    if args.blocking and dist.get_backend() == "nccl":
+        raise UsageError("--blocking shows the deadlock on gloo (add --backend gloo): NCCL's send() blocks the GPU "
+                         "stream, not this call, and its watchdog would end the job in an abort, not one line")
+    who_am_i(rank, world, device)
     if dist.get_backend() == "gloo" and device.type == "cuda":
         # gloo's send/recv read and write host memory only (its CUDA support covers collectives): a CUDA
         # tensor's address would go to the socket as is. So on gloo the messages below live on the CPU.
@@ -59,64 +96,105 @@ def main(args):
         device = torch.device("cpu")
 
     # 1. Blocking: each call returns only when the message is handed over, so the order of calls matters.
-    if RANK == 0:
-        for dst in range(1, WORLD):
+    if rank == 0:
+        for dst in range(1, world):
             dist.send(torch.full((4,), float(dst), device=device), dst=dst)
+        got = None
     else:
         got = torch.empty(4, device=device)
         dist.recv(got, src=0)
-        assert torch.equal(got, torch.full((4,), float(RANK), device=device))
-        log(f"send/recv: got {got.tolist()} from rank 0")
+        assert torch.equal(got, torch.full((4,), float(rank), device=device))
+    log_in_rank_order("send/recv: sent a tensor to every other rank" if rank == 0 else
+                      f"send/recv: got {got.tolist()} from rank 0")
 
     # 2. Non-blocking: isend/irecv return a handle at once; we can compute while the bytes travel.
-    mine = torch.tensor([RANK * 10.0, RANK * 10.0 + 1], device=device)
-    if RANK == 0:
-        inbox = [torch.empty(2, device=device) for _ in range(WORLD - 1)]
-        handles = [dist.irecv(inbox[r - 1], src=r) for r in range(1, WORLD)]
+    mine = torch.tensor([rank * 10.0, rank * 10.0 + 1], device=device)
+    if rank == 0:
+        inbox = [torch.empty(2, device=device) for _ in range(world - 1)]
+        handles = [dist.irecv(inbox[r - 1], src=r) for r in range(1, world)]
         torch.randn(256, 256, device=device).matmul(torch.randn(256, 256, device=device))  # work done meanwhile
         for h in handles:
             h.wait()  # only now may we read inbox
         gathered = [mine] + inbox
     else:
         dist.isend(mine, dst=0).wait()  # the buffer must not change until wait() returns
-    library = [torch.empty(2, device=device) for _ in range(WORLD)] if RANK == 0 else None
+    library = [torch.empty(2, device=device) for _ in range(world)] if rank == 0 else None
     dist.gather(mine, gather_list=library, dst=0)  # the library call our isend/irecv replaced
-    if RANK == 0:
+    if rank == 0:
         assert all(torch.equal(a, b) for a, b in zip(gathered, library)), "hand-written gather != dist.gather"
         print0(f"isend/irecv gather: {[t.tolist() for t in gathered]} == dist.gather")
 
     # 3a. A token around the ring, one hop at a time: rank r receives from r-1, adds r, sends to r+1.
-    right, left = (RANK + 1) % WORLD, (RANK - 1) % WORLD
+    right, left = (rank + 1) % world, (rank - 1) % world
     token = torch.zeros(1, device=device)
-    if RANK == 0:
+    if rank == 0:
         dist.send(token, dst=right)  # rank 0 starts the ring; everybody else waits for the token first
         dist.recv(token, src=left)
-        assert token.item() == sum(range(WORLD)), token
-        print0(f"token ring: came back as {token.item():.0f} = 0+1+...+{WORLD - 1}")
+        assert token.item() == sum(range(world)), token
+        print0(f"token ring: came back as {token.item():.0f} = 0+1+...+{world - 1}")
     else:
         dist.recv(token, src=left)
-        token += RANK
+        token += rank
         dist.send(token, dst=right)
 
-    # 3b. A ring shift: everyone sends right and receives from the left at the same time. With blocking
-    # calls every rank would sit in send() waiting for a recv() nobody has posted yet; batching both
-    # sides lets the backend match them (on NCCL this is one fused group call).
-    send, recv = torch.full((3,), float(RANK), device=device), torch.empty(3, device=device)
-    ops = [dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)]
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
+    # 3b. A ring shift: everyone sends right and receives from the left at the same time.
+    send, recv = torch.full((3,), float(rank), device=device), torch.empty(3, device=device)
+    if args.blocking:
+        # Break it. A blocking send returns only once the receiver has posted the matching recv; here every
+        # receiver is itself stuck in its own send(), so no rank ever reaches recv(): each waits on the next,
+        # all the way round. Only the group's timeout ends it.
+        print0(f"ring shift, --blocking: every rank calls send() to its right, then recv() from its left (the group "
+               f"gives up after --timeout-s {args.timeout_s:g} s)")
+        try:
+            dist.send(send, dst=right)
+            dist.recv(recv, src=left)
+        except RuntimeError:  # gloo: "Timed out waiting ... for send operation to complete"
+            deadlocked(args.timeout_s)
+    else:
+        # Batching both sides lets the backend match them (on NCCL this is one fused group call).
+        ops = [dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
     assert torch.equal(recv, torch.full((3,), float(left), device=device))
-    log(f"ring shift: got {recv[0].item():.0f} from rank {left}")
+    log_in_rank_order(f"ring shift: got {recv[0].item():.0f} from rank {left}")
 
     # Every rank reports in, so the OK below speaks for all of them.
     done = torch.ones(1, device=device)
     dist.all_reduce(done)
-    assert done.item() == WORLD
-    print0(f"OK send/recv, isend/irecv, token ring and ring shift checked on {WORLD} ranks")
+    assert done.item() == world
+    print0(f"OK send/recv, isend/irecv, token ring and ring shift checked on {world} ranks")
+
+
+# --- plumbing the lesson calls: ordered output, the deadlock's message, flags ---
+def log_in_rank_order(line):
+    """Every rank's line, printed by rank 0 in rank order: lines that each rank prints itself race each other."""
+    lines = [None] * WORLD
+    dist.all_gather_object(lines, line)
+    for r, text in enumerate(lines):
+        print0(f"[rank {r}/{WORLD}] {text}")
+
+
+def deadlocked(timeout_s):
+    """--blocking's end: one line from rank 0, exit 1 on every rank, no teardown (the sends are still posted)."""
+    if RANK == 0:
+        print(f"error: deadlock: every rank sat in a blocking send() to its right neighbour, waiting for a recv() "
+              f"that nobody posted (each receiver was stuck in its own send()), so nothing moved for {timeout_s:g} s "
+              f"(--timeout-s); post both sides at once with batch_isend_irecv, as the run without --blocking does",
+              file=sys.stderr, flush=True)
+    else:
+        time.sleep(1)  # every rank timed out at about the same moment: let rank 0 say why before the job stops
+    os._exit(1)
 
 
 def parse_args():
-    return parser(__doc__).parse_args()
+    p = parser(__doc__)
+    p.add_argument("--blocking", action="store_true",
+                   help="break it: the ring shift on blocking send() then recv() on every rank, a deadlock ended by "
+                        "--timeout-s (10 s with this flag unless given)")
+    args = p.parse_args()
+    if args.blocking and args.timeout_s == p.get_default("timeout_s"):
+        args.timeout_s = 10.0  # the deadlock lasts until the group's timeout: short, so that the lesson ends soon
+    return args
 
 
 # --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---

@@ -1,7 +1,7 @@
 """02 - Broadcast: one rank's tensor on every rank, and why DDP starts with one.
 
 What it teaches, in order:
-  1. dist.broadcast from a chosen --src;
+  1. dist.broadcast from a chosen --src: each rank's tensor before and after;
   2. the same thing by hand on send/recv: a binomial tree that doubles the number of ranks holding the
      data every round, so N ranks need ceil(log2 N) rounds instead of N-1 sends from the source;
      checked equal to dist.broadcast;
@@ -93,14 +93,17 @@ def check_memory(nbytes, what, device):
 
 
 def main(args):
-    device = setup(args)
+    device = setup(args)  # RANK and WORLD come from torchrun's environment, read there as 01 shows
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} src={args.src}")
     check_memory(3 * 8 * args.numel, f"--numel {args.numel:,}", device)  # three copies, int64 the largest
 
-    # 1. The library call: only src's values matter; the other ranks' tensors are overwritten.
-    t = torch.arange(4, device=device, dtype=torch.float32) + (100 * args.src if RANK == args.src else -1)
+    # 1. The library call. Every rank starts with a tensor of its own; afterwards every rank holds src's, and
+    # what the others held is gone (overwritten in place).
+    t = torch.arange(4, device=device) + 100 * RANK
+    log_in_rank_order(f"before dist.broadcast: {t.tolist()}")
     dist.broadcast(t, src=args.src)
-    log(f"dist.broadcast: {t.tolist()}")
+    log_in_rank_order(f"after  dist.broadcast: {t.tolist()}")
+    assert torch.equal(t, torch.arange(4, device=device) + 100 * args.src)
 
     # 2. By hand, on a bigger tensor and several dtypes, compared with the library's result.
     for dtype in (torch.float32, torch.int64, torch.bfloat16):
@@ -127,6 +130,15 @@ def main(args):
     assert all_identical(fingerprint(model)), "replicas differ after broadcasting rank 0's state"
     print0("after:  replicas identical (rank 0's parameters and buffers broadcast)")
     print0(f"OK dist.broadcast, tree_broadcast and replica sync checked on {WORLD} ranks")
+
+
+# --- plumbing the lesson calls: ordered output, flags ---
+def log_in_rank_order(line):
+    """Every rank's line, printed by rank 0 in rank order: lines that each rank prints itself race each other."""
+    lines = [None] * WORLD
+    dist.all_gather_object(lines, line)
+    for r, text in enumerate(lines):
+        print0(f"[rank {r}/{WORLD}] {text}")
 
 
 def parse_args():

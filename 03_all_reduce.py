@@ -6,10 +6,13 @@ What it teaches, in order:
      owning the full sum of one chunk) then an all-gather (N-1 steps: the owned chunks go round). Each rank
      sends 2(N-1)/N of the data whatever N is, which is why rings scale. Checked against dist.all_reduce;
   3. gradient averaging with it: SUM then divide by N equals one process on the whole batch.
+--trace first prints the ring step by step on a small tensor: which chunk each rank sends to whom, and what each
+rank holds after every step.
 Its speed against dist.all_reduce, size by size: benchmarks/all_reduce.py.
 
 Run it (any N >= 2):
   CPU:        torchrun --nproc_per_node=2 03_all_reduce.py
+              torchrun --nproc_per_node=3 03_all_reduce.py --trace        (the ring step by step)
   N GPUs:     torchrun --nproc_per_node=N 03_all_reduce.py        (nccl, one GPU per rank)
   2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 \\
                   03_all_reduce.py
@@ -26,17 +29,49 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+
 # --- the idea: a ring all-reduce on point-to-point messages ---
-_inboxes = {}  # (dtype, device) -> receive buffer kept between calls: fresh memory costs page faults
+def ring_all_reduce(tensor, trace=None):
+    """Sum ``tensor`` over all ranks, in place, with a ring of point-to-point messages. Returns it.
+
+    Any shape, any number of elements, float or integer dtypes. Every rank ends bit-identical: each chunk is
+    summed by exactly one rank (its owner) and then copied, never re-added, to the others. ``trace``, if given, is
+    called after every step with (phase, step, chunk sent, chunk received, chunks): what --trace prints.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:
+        return tensor
+    if tensor.is_cuda and dist.get_backend() == "gloo":
+        # gloo's send/recv move host memory only (its CUDA support covers collectives): ring a CPU copy.
+        return tensor.copy_(ring_all_reduce(tensor.cpu(), trace))
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    chunks = flat.tensor_split(world)  # N views; sizes differ by at most one element, chunk 0 the largest
+    right, left, nccl = (rank + 1) % world, (rank - 1) % world, dist.get_backend() == "nccl"
+    sending = []  # sends still draining
+    # Reduce-scatter. In step s, rank r sends chunk r-s and receives chunk r-s-1, adding it to its own.
+    # After N-1 steps rank r holds the complete sum of chunk r+1: it is that chunk's owner.
+    # No step writes to a chunk an earlier step sent, so the sends need not finish before the next step.
+    for s in range(world - 1):
+        i_send, i_recv = (rank - s) % world, (rank - s - 1) % world
+        inbox = _inbox(flat, chunks[i_recv].numel())
+        sending += _exchange(chunks[i_send], inbox, right, left, nccl)
+        chunks[i_recv].add_(inbox)
+        if trace:
+            trace("reduce-scatter", s, i_send, i_recv, chunks)
+    _wait(sending)  # the all-gather overwrites the very chunks the reduce-scatter sent
+    # All-gather. The owners pass finished chunks on; receivers overwrite (no addition), so the bits match.
+    for s in range(world - 1):
+        i_send, i_recv = (rank + 1 - s) % world, (rank - s) % world
+        sending += _exchange(chunks[i_send], chunks[i_recv], right, left, nccl)
+        if trace:
+            trace("all-gather", s, i_send, i_recv, chunks)
+    _wait(sending)  # the caller may write to the tensor as soon as we return
+    if flat.data_ptr() != tensor.data_ptr():  # we worked on a contiguous copy: write it back
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
 
 
-def _inbox(like, numel):
-    buf = _inboxes.get((like.dtype, like.device))
-    if buf is None or buf.numel() < numel:
-        buf = _inboxes[(like.dtype, like.device)] = torch.empty(numel, dtype=like.dtype, device=like.device)
-    return buf[:numel]
-
-
+# --- what the ring calls: one exchange with the neighbours, and a receive buffer kept between calls ---
 def _exchange(send, recv, right, left, nccl):
     """Send to the right neighbour while receiving from the left one; return once the receive has landed.
 
@@ -75,41 +110,54 @@ def _wait(reqs):
     reqs.clear()
 
 
-def ring_all_reduce(tensor):
-    """Sum ``tensor`` over all ranks, in place, with a ring of point-to-point messages. Returns it.
-
-    Any shape, any number of elements, float or integer dtypes. Every rank ends bit-identical: each chunk is
-    summed by exactly one rank (its owner) and then copied, never re-added, to the others.
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world == 1:
-        return tensor
-    if tensor.is_cuda and dist.get_backend() == "gloo":
-        # gloo's send/recv move host memory only (its CUDA support covers collectives): ring a CPU copy.
-        return tensor.copy_(ring_all_reduce(tensor.cpu()))
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    chunks = flat.tensor_split(world)  # N views; sizes differ by at most one element, chunk 0 the largest
-    right, left, nccl = (rank + 1) % world, (rank - 1) % world, dist.get_backend() == "nccl"
-    sending = []  # sends still draining
-    # Reduce-scatter. In step s, rank r sends chunk r-s and receives chunk r-s-1, adding it to its own.
-    # After N-1 steps rank r holds the complete sum of chunk r+1: it is that chunk's owner.
-    # No step writes to a chunk an earlier step sent, so the sends need not finish before the next step.
-    for s in range(world - 1):
-        mine, theirs = chunks[(rank - s) % world], chunks[(rank - s - 1) % world]
-        inbox = _inbox(flat, theirs.numel())
-        sending += _exchange(mine, inbox, right, left, nccl)
-        theirs += inbox
-    _wait(sending)  # the all-gather overwrites the very chunks the reduce-scatter sent
-    # All-gather. The owners pass finished chunks on; receivers overwrite (no addition), so the bits match.
-    for s in range(world - 1):
-        sending += _exchange(chunks[(rank + 1 - s) % world], chunks[(rank - s) % world], right, left, nccl)
-    _wait(sending)  # the caller may write to the tensor as soon as we return
-    if flat.data_ptr() != tensor.data_ptr():  # we worked on a contiguous copy: write it back
-        tensor.copy_(flat.view_as(tensor))
-    return tensor
+_inboxes = {}  # (dtype, device) -> receive buffer kept between calls: fresh memory costs page faults
 
 
-# --- 1. reduce ops, 2. ring check, 3. gradient averaging ---
+def _inbox(like, numel):
+    buf = _inboxes.get((like.dtype, like.device))
+    if buf is None or buf.numel() < numel:
+        buf = _inboxes[(like.dtype, like.device)] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
+
+
+# --- the ring step by step (--trace), 1. reduce ops, 2. ring check, 3. gradient averaging ---
+# RANK and WORLD (this process's rank, the number of ranks) are read from torchrun's environment by setup(), as 01
+# shows.
+def trace_ring(device):
+    """Print every step of ring_all_reduce: which chunk each rank sends to whom, and what each rank then holds."""
+    # One element per chunk, and rank r starts with (c+1) * 10**r in chunk c: each digit of a sum names the
+    # ranks it holds (303 = rank 0's 3 + rank 2's 300). int64, so that the sums are exact.
+    start = torch.tensor([(c + 1) * 10**RANK for c in range(WORLD)], device=device)
+    width = len(str(WORLD * 10 ** (WORLD - 1)))
+    right, left = (RANK + 1) % WORLD, (RANK - 1) % WORLD
+
+    def holds(chunks):
+        return "[" + " | ".join(f"{c.item():>{width}}" for c in chunks) + "]"
+
+    def step(phase, s, sent, received, chunks):
+        if phase == "reduce-scatter":
+            print0(f"reduce-scatter, step {s + 1} of {WORLD - 1}: each rank sends a chunk right and adds the one "
+                   f"it gets from its left")
+            log_in_rank_order(f"holds {holds(chunks)}  sent chunk {sent} to rank {right}, added chunk {received} "
+                              f"from rank {left}")
+        else:
+            print0(f"all-gather, step {s + 1} of {WORLD - 1}: each rank passes a finished chunk right; the receiver "
+                   f"overwrites its own copy")
+            log_in_rank_order(f"holds {holds(chunks)}  sent chunk {sent} to rank {right}, copied chunk {received} "
+                              f"from rank {left}")
+        if phase == "reduce-scatter" and s == WORLD - 2:
+            print0("after the reduce-scatter, rank r owns the complete sum of chunk (r+1) mod N")
+
+    print0(f"--trace: ring_all_reduce on {WORLD} ranks, a tensor of {WORLD} chunks of one element each; rank r "
+           f"starts with (c+1)*10^r in chunk c")
+    log_in_rank_order(f"holds {holds(start.tensor_split(WORLD))}")
+    result = ring_all_reduce(start.clone(), trace=step)
+    library = start.clone()
+    dist.all_reduce(library)
+    assert torch.equal(result, library), (result, library)
+    print0(f"every rank holds {holds(result.tensor_split(WORLD))} == dist.all_reduce")
+
+
 def check_reduce_ops(device):
     n = WORLD
     x = torch.full((3,), float(RANK + 1), device=device)  # rank r holds r+1
@@ -160,6 +208,8 @@ def check_grad_averaging(device):
 def main(args):
     device = setup(args)
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} torch={torch.__version__}")
+    if args.trace:
+        trace_ring(device)
     print0("1. reduce ops")
     check_reduce_ops(device)
     print0("2. hand-written ring")
@@ -172,8 +222,23 @@ def main(args):
     print0(f"OK reduce ops, ring_all_reduce and gradient averaging checked on {WORLD} ranks")
 
 
+# --- plumbing the lesson calls: ordered output, flags ---
+def log_in_rank_order(line):
+    """Every rank's line, printed by rank 0 in rank order: lines that each rank prints itself race each other."""
+    lines = [None] * WORLD
+    dist.all_gather_object(lines, line)
+    for r, text in enumerate(lines):
+        print0(f"[rank {r}/{WORLD}] {text}")
+
+
 def parse_args():
-    return parser(__doc__).parse_args()
+    p = parser(__doc__)
+    p.add_argument("--trace", action="store_true",
+                   help="first, print every step of the ring on a small tensor (best on 3 or 4 ranks)")
+    args = p.parse_args()
+    if args.trace and int(os.environ.get("WORLD_SIZE", 1)) > 8:  # checked before any process group starts
+        p.error(f"--trace prints every step of every rank: run it on 2 to 8 ranks, not {os.environ['WORLD_SIZE']}")
+    return args
 
 
 # --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---

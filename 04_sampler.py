@@ -6,11 +6,12 @@ What it teaches, in order:
      torch.utils.data.DistributedSampler, checked on every rank;
   2. the padding: the first few samples are repeated so every rank gets the same number of batches (or,
      with drop_last, the tail is dropped);
-  3. set_epoch: without it every epoch replays the same order;
+  3. set_epoch: without it every epoch replays the same order (break it: --no-set-epoch shows that, then stops
+     with the one-line error that explains it);
   4. the evaluation pitfall: the padded duplicates are counted twice in a distributed accuracy, and the fix.
 
 Run it (any N >= 2):
-  CPU:      torchrun --nproc_per_node=3 04_sampler.py
+  CPU:      torchrun --nproc_per_node=3 04_sampler.py [--no-set-epoch]
   N GPUs:   torchrun --nproc_per_node=N 04_sampler.py        (nccl, one GPU per rank)
   2 nodes:  torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 04_sampler.py
 """
@@ -108,7 +109,7 @@ def brief(indices, shown=16):
 
 
 def main(args):
-    device = setup(args)
+    device = setup(args)  # RANK and WORLD come from torchrun's environment, read there as 01 shows
     # A Python list of ints costs ~36 bytes an element (pointer + int object); the samplers make a few of them.
     check_memory(36 * 4 * args.dataset_size, f"--dataset-size {args.dataset_size:,}", device)
     data = list(range(args.dataset_size))
@@ -122,7 +123,8 @@ def main(args):
             ours.set_epoch(epoch)
             ref.set_epoch(epoch)
             assert list(ours) == list(ref) and len(ours) == len(ref), (drop_last, epoch)
-    log(f"epoch 0 indices: {brief(DistributedSampler(data, seed=args.seed))}  (== torch's, drop_last both ways)")
+    log_in_rank_order(f"epoch 0 indices: {brief(DistributedSampler(data, seed=args.seed))}  "
+                      f"(== torch's, drop_last both ways)")
 
     # 2. Padding: all ranks together see total_size samples, some twice (or, with drop_last, some never).
     sampler = DistributedSampler(data, seed=args.seed)
@@ -132,11 +134,21 @@ def main(args):
     dropped = sorted(set(data) - set(sum(gather(list(DistributedSampler(data, seed=args.seed, drop_last=True))), [])))
     print0(f"drop_last=True instead: {len(data) - len(dropped)} samples used, never seen this epoch: {dropped}")
 
-    # 3. set_epoch: a new permutation per epoch; forgetting it replays epoch 0's order every epoch.
-    first = list(sampler)
-    sampler.set_epoch(1)
-    assert list(sampler) != first or len(first) < 2
-    log(f"after set_epoch(1): {brief(sampler)}  (without it: {brief(first)} again)")
+    # 3. set_epoch: the shuffle is seeded with seed + epoch, so the training loop must tell the sampler which
+    # epoch it is, on every rank alike. Forgetting it replays epoch 0's order every epoch.
+    print0("three epochs, " + ("WITHOUT set_epoch (--no-set-epoch):" if args.no_set_epoch else
+                               "each starting with sampler.set_epoch(epoch):"))
+    orders = []
+    for epoch in range(3):
+        if not args.no_set_epoch:
+            sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+        log_in_rank_order(f"epoch {epoch}: {brief(orders[-1])}")
+    if args.no_set_epoch:
+        assert orders[1] == orders[2] == orders[0]
+        raise UsageError("every epoch replayed epoch 0's order, on every rank: the sampler shuffles with seed + "
+                         "epoch, and without set_epoch its epoch stays 0; call sampler.set_epoch(epoch) at the start "
+                         "of each epoch")
 
     # 4. Evaluation. Pretend the model is right on every sample whose index is not a multiple of 3.
     sampler.set_epoch(0)
@@ -156,10 +168,21 @@ def main(args):
     print0(f"OK DistributedSampler equals torch's on {WORLD} ranks; padded evaluation fixed")
 
 
+# --- plumbing the lesson calls: ordered output, flags ---
+def log_in_rank_order(line):
+    """Every rank's line, printed by rank 0 in rank order: lines that each rank prints itself race each other."""
+    lines = [None] * WORLD
+    dist.all_gather_object(lines, line)
+    for r, text in enumerate(lines):
+        print0(f"[rank {r}/{WORLD}] {text}")
+
+
 def parse_args():
     p = parser(__doc__)
     p.add_argument("--dataset-size", type=number(int, 1), default=11, help="samples in the toy dataset (try N+1)")
     p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0, help="shuffle seed, shared by all ranks")
+    p.add_argument("--no-set-epoch", action="store_true",
+                   help="break it: never call set_epoch, and watch every epoch replay the same order")
     return p.parse_args()
 
 
