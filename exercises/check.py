@@ -1,0 +1,265 @@
+"""Grade an exercise: it says the first thing wrong, or OK.
+
+  python exercises/check.py ring_all_reduce                   grades exercises/ring_all_reduce.py
+  python exercises/check.py ring_all_reduce --file mine.py     grades another file
+  python exercises/check.py ring_all_reduce --solution        grades the project's own (03_all_reduce.py)
+
+Names, in the order of the ladder (exercises/README.md): tree_broadcast, ring_all_reduce, sampler, ddp_naive,
+ddp_overlap, ddp_buckets, zero1. The checker starts the ranks itself (processes on this machine, gloo on the
+CPU; no torchrun needed) and grades with the checks the project's own tests run on its own code. A rank that
+waits more than --hang-s seconds in one call ends the run with one line naming where each rank waited.
+Exit status 0 only when every file graded passes.
+"""
+
+import argparse
+import glob
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+NAMES = ("tree_broadcast", "ring_all_reduce", "sampler", "ddp_naive", "ddp_overlap", "ddp_buckets", "zero1")
+GRACE_S = 3  # once one rank is done or stuck, how long the others get to finish or say where they wait
+
+
+# --- grading one file: start the ranks, watch them, read what each says ---
+def grade(name, path, world, hang_s, speed):
+    """Run `path` as exercise `name` on `world` ranks; return the verdict (a dict, see verdict())."""
+    # fork: torch is imported once, here, and each rank starts at once; elsewhere (macOS), fresh interpreters.
+    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    with tempfile.TemporaryDirectory(prefix="check-") as tmp:
+        port = free_port()
+        procs = [ctx.Process(target=rank_main, args=(name, path, r, world, port, hang_s, speed, tmp))
+                 for r in range(world)]
+        try:
+            for p in procs:
+                p.start()
+            watch(procs, tmp, hang_s)
+        finally:
+            for p in procs:  # all of them first: a rank outliving its peers would report their deaths as its error
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join()
+        records = [read_json(os.path.join(tmp, f"rank{r}.json")) for r in range(world)]
+        hangs = [read_json(os.path.join(tmp, f"rank{r}.hang.json")) for r in range(world)]
+        outputs = [read_text(os.path.join(tmp, f"rank{r}.out")) for r in range(world)]
+    return verdict(name, path, records, hangs, outputs, [p.exitcode for p in procs], hang_s)
+
+
+def watch(procs, tmp, hang_s):
+    """Wait for the ranks. When one reports a hang, or some are done while others still run after GRACE_S, ask
+    every rank's watchdog where it waits, give them GRACE_S to say so, and return (the caller kills the rest)."""
+    request, since_done, asked = os.path.join(tmp, "dump"), None, None
+    backstop = time.monotonic() + 120 + 20 * hang_s  # should the watchdogs themselves be stuck
+    while any(p.is_alive() for p in procs):
+        now = time.monotonic()
+        if asked is not None:
+            dumped = [os.path.exists(os.path.join(tmp, f"rank{r}.hang.json")) for r in range(len(procs))]
+            if now - asked > GRACE_S or all(d or not p.is_alive() for d, p in zip(dumped, procs)):
+                return
+        elif glob.glob(os.path.join(tmp, "rank*.hang.json")) or now > backstop or (
+                since_done is not None and now - since_done > GRACE_S):
+            open(request, "w").close()
+            asked = now
+        elif since_done is None and any(not p.is_alive() for p in procs):
+            since_done = now
+        time.sleep(0.05)
+
+
+def rank_main(name, path, rank, world, port, hang_s, speed, tmp):
+    """One rank, in its own process: its output to a file, a watchdog, the grading, a record of how it went."""
+    out = open(os.path.join(tmp, f"rank{rank}.out"), "w")
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    # Loopback only: nothing leaves the machine, and no route or host name is needed.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
+    sys.path.insert(0, HERE)
+    import grading
+    import torch
+    torch.set_num_threads(1)  # N ranks share this machine's cores
+    grading.start_watchdog(hang_s, os.path.join(tmp, f"rank{rank}.hang.json"), os.path.join(tmp, "dump"), path)
+    record = grading.run_rank(name, path, rank, world, hang_s, speed)
+    with open(os.path.join(tmp, f"rank{rank}.json.tmp"), "w") as f:
+        json.dump(record, f)
+    os.replace(os.path.join(tmp, f"rank{rank}.json.tmp"), os.path.join(tmp, f"rank{rank}.json"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: gloo's threads may still hold a peer that is gone
+
+
+# --- what the ranks said, in words ---
+def verdict(name, path, records, hangs, outputs, exitcodes, hang_s):
+    """{"file", "status": ok|fail|not_implemented|error|hang|crash, "text": what check.py prints}."""
+    shown = os.path.relpath(path)
+    found = [r for r in records if r]
+    stub = next((r for r in found if r["status"] == "not_implemented"), None)
+    errors = sorted((r["time"], k, r) for k, r in enumerate(records) if r and r["status"] == "error")
+    # A rank that lost its peer fails too ("Connection closed by peer"): the peer's own error, or its hang, is the
+    # story.
+    first = [e for e in errors if "Connection closed" not in e[2]["message"]] or (errors if not any(hangs) else [])
+    fails = [r for r in found if r["status"] == "fail"]
+    if stub:
+        where = stub["where"]
+        status, text = "not_implemented", (
+            f"NOT IMPLEMENTED {shown}: line {where['line']} still raises NotImplementedError. Open {shown}, read the "
+            f"docstring of {where['function']}, and write it; then run this command again.")
+    elif first:
+        _, k, r = first[0]
+        status, text = "error", f"ERROR {shown}: rank {k} raised {r['message']}{located(r)}" + (
+            f" (in {r['label']})" if r.get("label") else "") + error_hint(r["message"])
+    elif any(hangs):
+        status, text = "hang", hang_line(shown, records, hangs, hang_s)
+    elif fails:
+        status, text = "fail", f"FAIL {shown}: {fails[0]['message']}"
+    elif len(found) == len(records) and all(r["status"] == "pass" for r in found):
+        status, text = "ok", f"OK {name}: {shown} passes\n" + "\n".join(f"  {line}" for line in found[0]["info"])
+    else:
+        k = next(k for k, r in enumerate(records) if not r)
+        status, text = "crash", (f"CRASH {shown}: rank {k} ended without a verdict (exit code {exitcodes[k]}); its "
+                                 "last output is above")
+    return {"file": path, "status": status, "text": text, "outputs": outputs}
+
+
+def located(record):
+    w = record.get("where") or record.get("checker")
+    if not w:
+        return ""
+    code = f": `{w['code']}`" if w.get("code") else ""
+    return f" at {w['file']}:{w['line']}" + (f" in {w['function']}" if w.get("function") else "") + code
+
+
+ERROR_HINTS = [  # (text in the error, the usual cause)
+    ("view size is not compatible", "a non-contiguous tensor (a transposed one, say) has no flat view: work on "
+     "tensor.contiguous() (or .reshape(-1), which may copy) and copy the result back into tensor"),
+    ("Tensors must be contiguous", "gloo sends contiguous memory only: send a contiguous copy (or a slice of a "
+     "flat, contiguous tensor)"),
+    ("Timed out", "a rank waited for a message that never came: check that every send has a matching receive"),
+]
+
+
+def error_hint(message):
+    hint = next((h for text, h in ERROR_HINTS if text in message), None)
+    return f"\n  hint: {hint}" if hint else ""
+
+
+def hang_line(shown, records, hangs, hang_s):
+    """One line: where each rank waited; then a hint for the usual cause."""
+    label = next((h["label"] for h in hangs if h and h.get("label")), None)
+    places = []
+    for k, (h, r) in enumerate(zip(hangs, records)):
+        if h and h.get("where"):
+            places.append(f"rank {k} waits at {place(h['where'])}")
+        elif h and h.get("checker"):
+            places.append(f"rank {k} returned from your code and waits for the others in the checker")
+        elif r:
+            places.append(f"rank {k} had finished ({r['status']})")
+        else:
+            places.append(f"rank {k} said nothing (killed)")
+    line = (f"HANG {shown}: no progress for {hang_s:g} s" + (f" in {label}" if label else "") + ": "
+            + "; ".join(places))
+    codes = [h["where"]["code"] for h in hangs if h and h.get("where")]
+    if any("send(" in c and "isend(" not in c for c in codes):
+        hint = ("dist.send blocks until the receiving rank has posted its receive; in a ring every rank sends "
+                "first, so nobody receives: post the receive with dist.irecv (or send with dist.isend) and then wait "
+                "for both")
+    elif any(h and not h.get("where") and h.get("checker") for h in hangs):
+        hint = ("some ranks left your function while others still wait for a message: the ranks sent and received "
+                "different numbers of messages (every send needs a receive on its peer, with the same size)")
+    else:
+        hint = ("the ranks wait for messages that never come: every send needs a receive on its peer, and every "
+                "rank must call the same collectives in the same order")
+    return f"{line}\n  hint: {hint}"
+
+
+def place(w):
+    return f"{w['file']}:{w['line']} in {w['function']}" + (f" (`{w['code']}`)" if w.get("code") else "")
+
+
+def report(v, tail=30):
+    """What the ranks printed (the participant's own prints), then the verdict."""
+    for k, text in enumerate(v["outputs"]):
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        if lines and v["status"] != "ok":
+            if len(lines) > tail:
+                print(f"[rank {k}] ... ({len(lines) - tail} earlier lines not shown)")
+            for ln in lines[-tail:]:
+                print(f"[rank {k}] {ln}")
+    print(v["text"], flush=True)
+
+
+# --- plumbing: files, ports, arguments ---
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def read_text(path):
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", choices=NAMES, help="the exercise")
+    p.add_argument("--file", action="append", help="grade this file instead of exercises/NAME.py (repeatable)")
+    p.add_argument("--solution", action="store_true", help="grade the project's own implementation")
+    p.add_argument("--ranks", type=int, default=None, help="processes to start (default: the exercise's)")
+    p.add_argument("--hang-s", type=float, default=20, help="seconds one call may wait before it counts as a hang")
+    p.add_argument("--no-speed", action="store_true", help="skip the speed measurement after a pass")
+    p.add_argument("--json", help="also write the verdicts to this file (for the tests)")
+    a = p.parse_args(argv)
+    if a.solution and a.file:
+        p.error("--solution grades the project's own file: leave out --file")
+    if a.ranks is not None and (a.ranks < 2 or a.name == "sampler"):
+        p.error("--ranks must be 2 or more (the sampler runs in one process: it takes num_replicas and rank)")
+    if not a.hang_s > 0:
+        p.error("--hang-s must be > 0")
+    return a
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    sys.path.insert(0, HERE)
+    import grading  # torch: imported once here, before the ranks are forked
+    exercise = grading.EXERCISES[args.name]
+    files = args.file or [os.path.join(REPO, exercise.reference) if args.solution else
+                          os.path.join(HERE, f"{args.name}.py")]
+    for path in files:
+        if not os.path.isfile(path):
+            sys.exit(f"error: no such file: {path}")
+    world = args.ranks or exercise.ranks
+    verdicts = []
+    for path in files:
+        where = f"on {world} ranks, gloo on the CPU" if world > 1 else "in one process"
+        print(f"checking {os.path.relpath(path)} ({args.name}) {where}", flush=True)
+        v = grade(args.name, os.path.abspath(path), world, args.hang_s, not args.no_speed)
+        report(v)
+        verdicts.append(v)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: v[k] for k in ("file", "status", "text")} for v in verdicts], f, indent=1)
+    return 0 if all(v["status"] == "ok" for v in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

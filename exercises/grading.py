@@ -1,0 +1,1029 @@
+"""The checks behind exercises/check.py, and behind the project's own tests of 02-05 and 07: one code path.
+
+Each check_* function grades one rung of the ladder. It runs on every rank of an initialised gloo process group
+(check_sampler needs none), compares the participant's code with the library it replaces, and raises Failed with
+one sentence naming the first thing wrong (which rank, which case or step, expected against got) and a hint for
+the usual cause. On success it returns lines of information. All ranks agree on every verdict before going on, so
+a failure on one rank never leaves the others waiting.
+
+The counting wrappers (install_counters) stand in for torch.distributed's send, all_reduce, ... to see how a
+solution communicates (how many messages, how many bytes, launched inside backward or after it); the watchdog
+turns a hang into the place where each rank waited.
+"""
+
+import contextlib
+import functools
+import importlib.util
+import itertools
+import json
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.data
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Failed(AssertionError):
+    """A check failed: the message says what, where, and (after "hint:") the usual cause."""
+
+
+# --- the ladder ---
+@dataclass
+class Exercise:
+    names: tuple  # the names the file must define, the first one found is graded
+    ranks: int  # how many processes the checker starts (1: no process group)
+    check: callable
+    reference: str  # the project's own implementation, for check.py --solution
+    speed: callable = None  # information printed after a pass
+
+
+def _problem(what, hint=None):
+    return what + (f"\n  hint: {hint}" if hint else "")
+
+
+# --- rung 1: tree_broadcast (02_broadcast.py) ---
+def check_tree_broadcast(tree_broadcast):
+    """Equal to dist.broadcast from every source, in place, in ceil(log2 N) rounds (the source sends that many)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rounds = math.ceil(math.log2(world))
+    cases = [(src, dtype, shape) for src in range(world) for dtype in (torch.float32, torch.int64, torch.bfloat16)
+             for shape in ((5,), (3 * world + 1,), (), (4, 6))]
+    for i, (src, dtype, shape) in enumerate(cases):
+        label = f"case {i + 1} of {len(cases)} (src={src}, {_dtype(dtype)}, shape {tuple(shape)})"
+        g = torch.Generator().manual_seed(100 * rank + i)
+        x = (torch.randn(shape, generator=g) * 100).to(dtype)  # a different tensor on every rank
+        inputs = _gather_tensors(x)  # everyone's input, to say whose tensor a rank ended up with
+        with recording() as rec, watching(label):
+            tree_broadcast(x, src)
+        problem = None
+        if not torch.equal(x, inputs[src]):
+            problem = _broadcast_problem(x, inputs, src, rank)
+        elif rank == src and rec.count("send") > rounds:
+            problem = _problem(
+                f"the source sent {rec.count('send')} messages to reach {world} ranks: a binomial tree needs only "
+                f"ceil(log2 {world}) = {rounds} rounds, one send each for the source",
+                "in round k, every rank that already holds the data (vrank < 2**k) sends it to vrank + 2**k, so the "
+                "number of holders doubles each round; sending from the source to everyone is a line, not a tree")
+        elif rank != src and rec.count("recv") != 1:
+            problem = _problem(f"this rank received {rec.count('recv')} messages: each rank other than the source "
+                               "receives the data exactly once")
+        _agree(problem, label)
+    return [f"{len(cases)} cases on {world} ranks (every source, 3 dtypes, 4 shapes): equal to dist.broadcast, "
+            f"in place, the source sending {rounds} messages (ceil(log2 {world}) rounds)"]
+
+
+def _broadcast_problem(x, inputs, src, rank):
+    owner = next((k for k, t in enumerate(inputs) if torch.equal(x, t)), None)
+    if owner == rank:
+        return _problem(f"this rank's tensor still holds its own values, not rank {src}'s: nothing was received "
+                        "into it",
+                        "receive into `tensor` itself (in place): `tensor = tensor.clone()` or a new buffer leaves "
+                        "the caller's tensor unchanged; or the tree never reached this rank (vrank = (rank - src) % N; "
+                        "in round k, vranks 2**k .. 2**(k+1)-1 receive)")
+    if owner is not None:
+        return _problem(f"this rank holds rank {owner}'s tensor, not the source's (src={src})",
+                        "the tree must start at src: number the ranks relative to it, vrank = (rank - src) % N, "
+                        "and turn a partner's vrank back into a rank with (vrank + src) % N")
+    i = _first_difference(x, inputs[src])
+    return _problem(f"element {i}: expected {_num(inputs[src].reshape(-1)[i])} (rank {src}'s), got "
+                    f"{_num(x.reshape(-1)[i])}")
+
+
+# --- rung 2: ring_all_reduce (03_all_reduce.py) ---
+RING_TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+def ring_cases(world):
+    """(dtype, shape, transposed, kind): easy first, so the first failure is the simplest one."""
+    numels = [4 * world, 4 * world + 1, 7, 1000, (1 << 16) + 3, world + 1, world, world - 1, 2, 1]
+    shapes = [(n,) for n in dict.fromkeys(numels) if n > 0] + [(), (3, 5, 7), (64, 33)]
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
+    for dtype in dtypes:
+        for shape in shapes:
+            for transposed in ([False, True] if len(shape) == 2 else [False]):
+                for kind in (["integer-valued", "random"] if dtype.is_floating_point else ["integer"]):
+                    yield dtype, shape, transposed, kind
+
+
+def check_ring_all_reduce(ring_all_reduce):
+    """Equal to dist.all_reduce (exact for integer values, close for random floats), in place, bit-identical on
+    every rank, over sizes, shapes and dtypes; and the traffic of a ring: 2(N-1)/N of the tensor sent per rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cases = list(ring_cases(world))
+    traffic = None
+    for i, (dtype, shape, transposed, kind) in enumerate(cases):
+        label = (f"case {i + 1} of {len(cases) + 1} ({_dtype(dtype)}, shape {tuple(shape)}"
+                 f"{', transposed' if transposed else ''}, {kind} values)")
+        g = torch.Generator().manual_seed(1000 * rank + i)
+        if kind == "random":
+            x = torch.randn(shape, generator=g).to(dtype)
+        else:
+            x = torch.randint(0 if dtype == torch.uint8 else -8, 4 if dtype == torch.uint8 else 8, shape, generator=g)
+            x = x.to(dtype)
+        if transposed:
+            x = x.t()  # not contiguous: the result must still land in x itself
+        mine, lib = x.clone(), x.clone()
+        _all_reduce(lib)
+        with recording() as rec, watching(label):
+            out = ring_all_reduce(x)
+        problem = _ring_problem(out, x, mine, lib, kind, world)
+        if problem is None and rec.count("collective"):
+            problem = _problem(f"ring_all_reduce called {', '.join(rec.names('collective'))}: the exercise is to "
+                               "build it from point-to-point messages (send/recv, isend/irecv)")
+        _agree(problem, label)
+        _agree(_differs_from_rank0([("the result", x)],
+                                   "each chunk must be summed by one rank only (its owner) and then copied to the "
+                                   "others, never summed again in another order: the owner's bits must go round"),
+               label)
+        if dtype == torch.float32 and shape == ((1 << 16) + 3,) and kind == "random":
+            traffic = (rec.bytes("send"), x.numel() * x.element_size())
+    label = f"case {len(cases) + 1} of {len(cases) + 1} (an empty tensor)"
+    empty = torch.empty(0)
+    with watching(label):
+        out = ring_all_reduce(empty)
+    _agree(None if out is empty else _problem("an empty tensor must come back as itself (return tensor)"), label)
+    sent, nbytes = traffic
+    bound = 2 * (world - 1) * math.ceil(nbytes / 4 / world) * 4  # 2(N-1) chunks, the largest one each time
+    _agree(None if sent <= bound else _problem(
+        f"this rank sent {sent:,} bytes to all-reduce {nbytes:,}: {sent / nbytes:.2f}x the tensor, where a ring "
+        f"sends 2(N-1)/N = {2 * (world - 1) / world:.2f}x",
+        "each step sends one chunk (1/N of the tensor) to the right neighbour, N-1 steps to reduce-scatter and N-1 "
+        "to all-gather; sending the whole tensor every step costs N/2 times more"), "the traffic check")
+    return [f"{len(cases) + 1} cases on {world} ranks (7 dtypes, odd sizes, fewer elements than ranks, a transposed "
+            "tensor, an empty one): equal to dist.all_reduce, in place, bit-identical on every rank; "
+            f"{sent / nbytes:.2f}x the tensor sent per rank (2(N-1)/N)"]
+
+
+def _ring_problem(out, x, mine, lib, kind, world):
+    got, want, own = x.reshape(-1), lib.reshape(-1), mine.reshape(-1)
+    n = got.numel()
+    bounds = [(int(c[0]), int(c[-1])) if len(c) else None for c in torch.arange(n).tensor_split(world)]
+
+    def close(a, b):
+        if kind != "random":
+            return torch.equal(a, b)
+        tol = RING_TOL[a.dtype]
+        return torch.allclose(a.double(), b.double(), rtol=tol, atol=tol * world)
+
+    if close(got, want):
+        if out is x:
+            return None
+        return _problem(f"ring_all_reduce returned {_kind_of(out)}, not the tensor it was given: return `tensor` "
+                        "(the sum is in it, in place)")
+    if torch.is_tensor(out) and out is not x and out.shape == x.shape and close(out.reshape(-1), want):
+        return _problem("ring_all_reduce returned the sum in a new tensor and left its argument unchanged: the "
+                        "contract is in place",
+                        "write the sum into `tensor` itself; if you worked on a copy (tensor.contiguous() or "
+                        ".flatten() of a non-contiguous tensor make one), copy the result back with tensor.copy_()")
+    if torch.equal(got, own):
+        return _problem("the tensor still holds this rank's own input: nothing was written into it",
+                        "sum in place; if you worked on a copy (tensor.contiguous() or .flatten() of a "
+                        "non-contiguous tensor make one), copy the result back with tensor.copy_()")
+    ok = [b is not None and close(got[b[0]:b[1] + 1], want[b[0]:b[1] + 1]) for b in bounds]
+    twice = [b is not None and not ok[c] and close(got[b[0]:b[1] + 1], (want + own)[b[0]:b[1] + 1])
+             for c, b in enumerate(bounds)]
+    i = _first_difference(got, want, close_enough=kind == "random", tol=RING_TOL.get(got.dtype, 0) * world)
+    c = next(k for k, b in enumerate(bounds) if b is not None and b[0] <= i <= b[1])
+    where = (f"chunk {c} of {world} (elements {bounds[c][0]}-{bounds[c][1]} of the flattened tensor, split with "
+             f"tensor_split({world})), element {i}: expected {_num(want[i])}, got {_num(got[i])}")
+    if any(twice):
+        return _problem(f"{where}: that chunk holds the sum plus this rank's own values",
+                        "in the all-gather, a finished chunk received from the left overwrites yours (copy_), it is "
+                        "not added: your own share is already in it")
+    nonempty = [k for k, b in enumerate(bounds) if b is not None]
+    if sum(ok) == 1 and len(nonempty) > 1:
+        return _problem(f"{where}: only chunk {ok.index(True)} holds the full sum on this rank (the chunk it owns "
+                        "after the reduce-scatter); the other chunks hold partial sums",
+                        "the all-gather phase seems missing (or sends unfinished chunks): after the reduce-scatter, "
+                        "N-1 more steps pass each finished chunk on, step s sending chunk (r + 1 - s) % N and "
+                        "overwriting chunk (r - s) % N with what arrives")
+    hint = ("check the chunk indices: in step s of the reduce-scatter, rank r sends chunk (r - s) % N to its right "
+            "and adds what it receives into chunk (r - s - 1) % N; in the all-gather it sends chunk (r + 1 - s) % N "
+            "and overwrites chunk (r - s) % N")
+    if n < world:
+        hint = (f"with fewer elements ({n}) than ranks ({world}) some chunks are empty: every rank must skip the same "
+                "empty chunks (or send them: a zero-size message is fine), and " + hint)
+    elif n % world:
+        hint = (f"{n} elements do not split evenly into {world} chunks: chunk sizes differ by one, so a receive "
+                "buffer must have the size of the chunk it receives, not of your own; and " + hint)
+    return _problem(where, hint)
+
+
+def ring_speed(ring_all_reduce, numel=1 << 20, rounds=5):
+    """Information only: the ring's bus bandwidth against dist.all_reduce's on one size (benchmarks/all_reduce.py
+    measures every size). busbw = bytes / time * 2(N-1)/N, as nccl-tests define it."""
+    world = dist.get_world_size()
+    x = torch.zeros(numel)  # sums of zeros stay zero over many calls
+    times = {"ring": [], "library": []}
+    for i in range(rounds + 1):  # round 0 warms up and is not timed
+        for name in (["ring", "library"] if i % 2 else ["library", "ring"]):  # the order flips: noise hits both
+            _barrier()
+            t0 = time.perf_counter()
+            with watching("the speed measurement"):
+                ring_all_reduce(x) if name == "ring" else _all_reduce(x)
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    t = torch.tensor([times["ring"], times["library"]], dtype=torch.float64)
+    _all_reduce(t, op=dist.ReduceOp.MAX, group=_book())  # a collective is as slow as its slowest rank
+    ring_s, lib_s = t.median(dim=1).values.tolist()
+    bus = numel * 4 * 2 * (world - 1) / world / 1e9
+    return [f"speed (information, not graded): {numel * 4 >> 20} MiB float32 on {world} ranks, median of {rounds}: "
+            f"your ring {bus / ring_s:.2f} GB/s busbw, dist.all_reduce {bus / lib_s:.2f} GB/s: {lib_s / ring_s:.2f}x "
+            f"the library (benchmarks/all_reduce.py measures every size)"]
+
+
+# --- rung 3: DistributedSampler (04_sampler.py) ---
+def sampler_grid():
+    """(dataset size, replicas, shuffle, seed, drop_last): easy first, so the first failure is the simplest one."""
+    grid = itertools.product([0, 1, 2, 3, 5, 10, 11, 17, 64, 101], [1, 2, 3, 4, 7], [True, False], [0, 42],
+                             [False, True])
+    return sorted(grid, key=lambda c: (c[2], c[4], c[0] % c[1] != 0, c[3], c[0] == 0, c[0], c[1]))
+
+
+def check_sampler(DistributedSampler):
+    """Every rank's indices equal torch.utils.data.DistributedSampler's, over a grid of arguments and epochs."""
+    cases = 0
+    for n, replicas, shuffle, seed, drop_last in sampler_grid():
+        data = list(range(n))
+        kw = dict(num_replicas=replicas, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        ours = [DistributedSampler(data, rank=r, **kw) for r in range(replicas)]
+        refs = [torch.utils.data.DistributedSampler(data, rank=r, **kw) for r in range(replicas)]
+        first = [list(s) for s in ours]  # epoch 0, before any set_epoch
+        for epoch in (0, 1, 5):
+            for s, ref in zip(ours, refs):
+                s.set_epoch(epoch)
+                ref.set_epoch(epoch)
+            got, want = [list(s) for s in ours], [list(ref) for ref in refs]
+            for r in range(replicas):
+                call = (f"DistributedSampler(range({n}), num_replicas={replicas}, rank={r}, shuffle={shuffle}, "
+                        f"seed={seed}, drop_last={drop_last}), epoch {epoch}")
+                problem = _sampler_problem(got, want, first, r, n, kw, epoch, len(ours[r]))
+                if problem:
+                    raise Failed(f"{call}: {problem}")
+                cases += 1
+    return [f"{cases} (arguments, rank, epoch) cases: every rank's indices equal torch's DistributedSampler's"]
+
+
+def _sampler_problem(got, want, first, r, n, kw, epoch, length):
+    replicas, shuffle, drop_last = kw["num_replicas"], kw["shuffle"], kw["drop_last"]
+    mine, ref = got[r], want[r]
+    if mine == ref:
+        if length != len(ref):
+            return _problem(f"len() says {length}, but iterating gives {len(ref)} indices",
+                            "__len__ must return num_samples, the number of indices this rank yields")
+        return None
+    said = f"got {_brief(mine)}, torch's {_brief(ref)}"
+    if len(mine) != len(ref):
+        if drop_last:
+            return _problem(f"{said}: {len(mine)} indices, torch's {len(ref)}",
+                            f"with drop_last the tail is dropped: every rank gets floor({n} / {replicas}) = "
+                            f"{n // replicas} indices")
+        return _problem(f"{said}: {len(mine)} indices where torch gives {len(ref)}: no padding?",
+                        f"{n} samples do not split evenly over {replicas} ranks: pad the index list by repeating its "
+                        f"first indices up to ceil(n / N) * N = {len(ref) * replicas}, so every rank gets the same "
+                        "number of batches (a rank with one batch fewer leaves the others waiting in an all-reduce)")
+    if epoch > 0 and shuffle and n > 1 and mine == first[r] and ref != first[r]:
+        return _problem(f"{said}: set_epoch({epoch}) changed nothing, the order is epoch 0's",
+                        "seed the shuffle with seed + epoch (set_epoch stores the epoch), or every epoch replays "
+                        "the same order")
+    if not shuffle:
+        block = list(range(r * len(ref), min(n, (r + 1) * len(ref))))
+        hint = ("rank r takes every N-th index starting at r (indices[rank:total_size:num_replicas]), not a "
+                "contiguous block" if mine[:len(block)] == block else
+                "without shuffle the indices are 0..n-1 (padded by repeating the first ones), and rank r takes "
+                "indices[rank:total_size:num_replicas]")
+        return _problem(said, hint)
+    everyone = [i for g in got for i in g]
+    if sorted(everyone) != sorted(i for w in want for i in w):
+        return _problem(f"{said}: across the ranks some samples come twice and others never",
+                        "every rank must shuffle with the same permutation (a generator seeded with seed + epoch, "
+                        "the same on every rank, not with the rank) and then take its own every-N-th slice")
+    return _problem(f"{said}: the same samples, in another order",
+                    "shuffle as torch does: g = torch.Generator(); g.manual_seed(seed + epoch); "
+                    "indices = torch.randperm(n, generator=g).tolist()")
+
+
+# --- rungs 4-6: DDP by hand, graded against PyTorch's DistributedDataParallel ---
+class TinyNet(nn.Module):
+    """The model the DDP rungs train: three layers, so there are three buckets of different sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+BUCKET_CAP_MB = 512 / 2**20  # 512 bytes: one bucket per layer of TinyNet (fc3, then fc2, then fc1)
+LR, MOMENTUM, STEPS = 0.1, 0.9, 4
+
+
+def tiny_net(seed):
+    torch.manual_seed(seed)
+    return TinyNet()
+
+
+def batch(step, rank, micro=0):
+    """A different batch on every rank, step and micro-step (the same one for the participant and for DDP)."""
+    g = torch.Generator().manual_seed(10_000 + 100 * step + 10 * micro + rank)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+def expected_buckets(module, cap_bytes):
+    """DDP's layout: the parameters in reverse registration order (backward produces the last layer's gradients
+    first), a bucket closed once it holds cap_bytes or more. For TinyNet this is also the order backward produces."""
+    buckets, names, size = [], [], 0
+    for name, p in reversed(list(module.named_parameters())):
+        names.append(name)
+        size += p.numel() * p.element_size()
+        if size >= cap_bytes:
+            buckets.append(names)
+            names, size = [], 0
+    return buckets + ([names] if names else [])
+
+
+class _Run:
+    """One rank of the comparison: the participant's model, PyTorch's DDP on the same start and data, and a plain
+    copy that computes this rank's own (unreduced) gradients, to tell the usual mistakes apart."""
+
+    def __init__(self, mine, seed, **ddp_kwargs):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mine = mine  # the module whose parameters the participant's code updates
+        self.names = [n for n, _ in mine.named_parameters()]
+        self.ref = DDP(tiny_net(seed), **ddp_kwargs)  # broadcasts rank 0's weights, as the wrappers must
+        self.local = tiny_net(0)
+        self.opt = torch.optim.SGD(mine.parameters(), lr=LR, momentum=MOMENTUM)
+        self.ref_opt = torch.optim.SGD(self.ref.parameters(), lr=LR, momentum=MOMENTUM)
+        self.exact = self.world == 2  # a/2 + b/2: one rounding, whatever the order; more ranks sum in other orders
+
+    def reference_backward(self, step, micros=1):
+        """DDP's gradients (accumulated over `micros` micro-batches, the first ones under no_sync) and this rank's
+        own gradients of the same weights and data."""
+        self.local.load_state_dict(self.ref.module.state_dict())
+        self.ref_opt.zero_grad()
+        self.local.zero_grad()
+        for m in range(micros):
+            x, y = batch(step, self.rank, m)
+            ctx = self.ref.no_sync() if m < micros - 1 else contextlib.nullcontext()
+            with ctx:
+                F.mse_loss(self.ref(x), y).backward()
+            F.mse_loss(self.local(x), y).backward()
+
+    def compare_start(self, what):
+        """After construction: the participant's replicas must be rank 0's, as DDP's are."""
+        self.compare(what, [p.detach() for p in self.mine.parameters()],
+                     [p.detach() for p in self.ref.module.parameters()], "weights",
+                     hint="replicas built with different seeds must start identical: broadcast rank 0's "
+                          "parameters in __init__ (dist.broadcast(p.data, src=0)), as DDP does")
+
+    def compare_grads(self, label):
+        grads = [p.grad for p in self.mine.parameters()]
+        ref_grads = [p.grad for p in self.ref.module.parameters()]
+        local = [p.grad for p in self.local.parameters()]
+        problem = None
+        for name, got, want, own in zip(self.names, grads, ref_grads, local):
+            if got is None:
+                problem = _problem(f"{name}.grad is None", "every parameter must hold its averaged gradient")
+            elif not self._equal(got, want):
+                problem = _grad_problem(name, got, want, own, self.world, self.exact)
+            if problem:
+                break
+        _agree(problem, label)
+        _agree(_differs_from_rank0([(f"{n}.grad", g) for n, g in zip(self.names, grads)],
+                                   "the gradients must be the same on every rank after averaging"), label)
+
+    def step_and_compare(self, label):
+        self.opt.step()
+        self.ref_opt.step()
+        self.compare(label, [p.detach() for p in self.mine.parameters()],
+                     [p.detach() for p in self.ref.module.parameters()], "weights after the optimizer step")
+
+    def compare(self, label, tensors, refs, what, hint=None):
+        problem = None
+        for name, got, want in zip(self.names, tensors, refs):
+            if not self._equal(got, want):
+                i = _first_difference(got, want)
+                problem = _problem(f"{what}: {name}[{_index(got, i)}] is {_num(got.reshape(-1)[i])}, DDP's "
+                                   f"{_num(want.reshape(-1)[i])}", hint)
+                break
+        _agree(problem, label)
+
+    def _equal(self, a, b):
+        return torch.equal(a, b) if self.exact else torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+    def info(self, what):
+        how = ("bit for bit (2 ranks: a/2 + b/2 has one rounding whatever the order)" if self.exact
+               else f"within rtol 1e-5 ({self.world} ranks add in different orders)")
+        return f"{what} equal to PyTorch's DistributedDataParallel's, {how}, on every rank"
+
+
+def _grad_problem(name, got, want, own, world, exact):
+    def close(a, b):
+        return torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+    if torch.equal(got, own):
+        return _problem(f"{name}.grad is this rank's own gradient, not the mean over ranks: it was not all-reduced",
+                        "every parameter's gradient must be all-reduced (biases too; a hook on each of them)")
+    if close(got, want * world):
+        return _problem(f"{name}.grad is {world}x DDP's: the gradients were summed, not averaged",
+                        f"divide by the world size: multiply by 1/N (N = {world}), as DDP does")
+    if close(got, want / world):
+        return _problem(f"{name}.grad is 1/{world} of DDP's: divided by N twice")
+    if close(got, own / world):
+        return _problem(f"{name}.grad is this rank's own gradient divided by N: the all-reduced values never "
+                        "reached .grad",
+                        "wait for each all-reduce before reading .grad, and reduce .grad itself (or copy the result "
+                        "back), not a temporary copy")
+    i = _first_difference(got, want)
+    return _problem(f"{name}.grad[{_index(got, i)}] is {_num(got.reshape(-1)[i])}, DDP's {_num(want.reshape(-1)[i])}")
+
+
+def check_average_gradients(average_gradients):
+    """Rung 4, the naive one: after backward, average_gradients(model, world) leaves DDP's gradients in .grad."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = _Run(tiny_net(0), seed=0)  # one seed everywhere: this rung has no wrapper to broadcast
+    for step in range(STEPS):
+        label = f"step {step + 1} of {STEPS}"
+        x, y = batch(step, rank)
+        run.opt.zero_grad()
+        F.mse_loss(run.mine(x), y).backward()
+        before = [p.detach().clone() for p in run.mine.parameters()]
+        with recording(), watching(label):
+            average_gradients(run.mine, world)
+        run.compare(label, [p.detach() for p in run.mine.parameters()], before, "weights inside average_gradients",
+                    hint="average_gradients must only change .grad (all-reduce p.grad, not p or p.data)")
+        run.reference_backward(step)
+        run.compare_grads(label)
+        run.step_and_compare(label)
+    return [run.info(f"gradients and weights over {STEPS} SGD steps on {world} ranks:")]
+
+
+def check_overlap(wrapper_class):
+    """Rung 5: one asynchronous all-reduce per parameter, launched from its hook during backward, waited for in
+    finish_gradient_synchronization()."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = tiny_net(rank)  # replicas differ: the wrapper must broadcast rank 0's
+    ready = _count_ready(base)
+    with recording(), watching("the constructor"):
+        model = wrapper_class(base)
+    run = _Run(base, seed=rank)
+    run.compare_start("after construction")
+    n = len(run.names)
+    for step in range(STEPS):
+        label = f"step {step + 1} of {STEPS}"
+        x, y = batch(step, rank)
+        run.opt.zero_grad()
+        with recording(ready) as rec, watching(label):
+            loss = F.mse_loss(model(x), y)
+            rec.phase = "backward"
+            loss.backward()
+            rec.phase = "finish_gradient_synchronization()"
+            model.finish_gradient_synchronization()
+        launches = rec.calls_of("all_reduce")
+        _agree(_overlap_problem(launches, n, per_parameter=True), label)
+        run.reference_backward(step)
+        run.compare_grads(label)
+        run.step_and_compare(label)
+    return [run.info(f"start, gradients and weights over {STEPS} SGD steps on {world} ranks:"),
+            f"{n} asynchronous all-reduces a step, one per parameter, launched inside backward and waited for"]
+
+
+def _overlap_problem(launches, n, per_parameter):
+    if not launches:
+        return _problem("no dist.all_reduce was called during the step",
+                        "launch the gradients' all-reduces from hooks (p.register_post_accumulate_grad_hook)")
+    inside = [c for c in launches if c.phase == "backward"]
+    if not inside:
+        return _problem(f"all {len(launches)} all-reduces were launched after backward (in {launches[0].phase}): "
+                        "nothing overlaps backward",
+                        "launch each all-reduce from a hook as its gradient becomes ready "
+                        "(p.register_post_accumulate_grad_hook), with async_op=True, and only wait at the end")
+    blocking = [c for c in inside if not c.async_op]
+    if blocking:
+        return _problem(f"{len(blocking)} of the all-reduces inside backward were blocking (async_op=False): "
+                        "backward stops at each one until it completes",
+                        "launch with async_op=True, keep the Work it returns, and wait for all of them at the end")
+    if per_parameter and len(launches) != n:
+        return _problem(f"{len(launches)} all-reduces for {n} parameters: this rung sends one per parameter, "
+                        "each from its own parameter's hook")
+    late = [c for c in launches if c.phase != "backward"]
+    if late:
+        return _problem(f"{len(late)} of {len(launches)} all-reduces were launched after backward")
+    if min(c.ready for c in inside) >= n:
+        return _problem(f"the first all-reduce was launched only once all {n} gradients were ready: nothing "
+                        "overlapped backward",
+                        "launch from the gradient hooks as soon as what you send is complete, not at the end")
+    unwaited = [c for c in launches if c.work is not None and not c.work.waited]
+    if unwaited:
+        return _problem(f"{len(unwaited)} of {len(launches)} all-reduces were never waited for before the "
+                        "gradients were used",
+                        "call .wait() on every Work before backward's results are read (in "
+                        "finish_gradient_synchronization(), or a callback at the end of backward)")
+    return None
+
+
+def check_buckets(wrapper_class):
+    """Rung 6, 05's core: buckets in DDP's layout, each launched from the hooks as soon as it is complete, in bucket
+    order, multiplied by 1/N before the sum; no communication inside no_sync()."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = tiny_net(rank)
+    ready = _count_ready(base)
+    with recording(), watching("the constructor"):
+        model = wrapper_class(base, bucket_cap_mb=BUCKET_CAP_MB)
+    run = _Run(base, seed=rank, bucket_cap_mb=BUCKET_CAP_MB)
+    run.compare_start("after construction")
+    params = dict(base.named_parameters())
+    layout = expected_buckets(base, int(BUCKET_CAP_MB * 2**20))
+    sizes = [sum(params[name].numel() for name in b) for b in layout]
+    finish = getattr(model, "finish_gradient_synchronization", None)  # optional: DDP waits at the end of backward
+    accumulate = 2  # the step that accumulates two micro-batches, the first under no_sync()
+    for step in range(STEPS):
+        label = f"step {step + 1} of {STEPS}" + (" (two micro-batches, the first under no_sync())"
+                                                 if step == accumulate else "")
+        run.opt.zero_grad()
+        micros = 2 if step == accumulate else 1
+        problem = None
+        for m in range(micros):
+            x, y = batch(step, rank, m)
+            synced = m == micros - 1
+            with recording(ready) as rec, watching(label):
+                with contextlib.nullcontext() if synced else model.no_sync():
+                    loss = F.mse_loss(model(x), y)
+                    rec.phase = "backward"
+                    loss.backward()
+                    rec.phase = "finish_gradient_synchronization()"
+                    if finish is not None:
+                        finish()
+            launches = rec.calls_of("all_reduce")
+            if problem is not None:
+                continue
+            if not synced and launches:
+                problem = _problem(f"{len(launches)} all-reduces were launched during a backward inside no_sync()",
+                                   "inside no_sync() gradients accumulate locally, with no communication at all; "
+                                   "the next backward outside it averages the sum")
+            elif synced:
+                problem = _bucket_problem(launches, sizes, layout, first=step == 0)
+        run.reference_backward(step, micros)
+        if problem is None and step not in (0, accumulate):
+            problem = _undivided(launches, layout, run)
+        _agree(problem, label)
+        run.compare_grads(label)
+        run.step_and_compare(label)
+    return [run.info(f"start, gradients and weights over {STEPS} SGD steps (one with no_sync) on {world} ranks:"),
+            f"{len(sizes)} buckets of {sizes} elements (bucket_cap_mb={BUCKET_CAP_MB * 2**20:g} bytes), launched "
+            "asynchronously inside backward in bucket order, each multiplied by 1/N before the sum; nothing sent "
+            "inside no_sync()"]
+
+
+def _bucket_problem(launches, sizes, layout, first):
+    got = [c.numel for c in launches]
+    if first and got == [sum(sizes)]:
+        return None  # DDP's own first iteration: one bucket, rebuilt from the order backward produced
+    if got != sizes:
+        described = "; ".join(f"bucket {k}: {', '.join(b)} ({s} elements)" for k, (b, s) in
+                              enumerate(zip(layout, sizes)))
+        if sorted(got) == sorted(sizes):
+            return _problem(f"buckets launched out of order: the all-reduces carried {got} elements, in this "
+                            f"order; DDP's bucket order is {sizes} ({described})",
+                            "launch strictly in bucket order (bucket 0 holds the last layer's parameters, whose "
+                            "gradients come first): collectives are matched by the order ranks issue them")
+        return _problem(f"the all-reduces carried {got} elements; DDP's buckets hold {sizes} ({described})",
+                        "walk the parameters in reverse order (gradients arrive back to front) and close a bucket "
+                        "once it holds bucket_cap_mb MiB or more; one all-reduce per bucket")
+    return _overlap_problem(launches, sum(len(b) for b in layout), per_parameter=False)
+
+
+def _undivided(launches, layout, run):
+    """1/N before the sum: what each all-reduce carried, against this rank's own gradients of that bucket."""
+    own = dict(zip(run.names, (p.grad for p in run.local.parameters())))
+    for k, (call, names) in enumerate(zip(launches, layout)):
+        total = sum(own[n].double().abs().sum().item() for n in names)
+        if total and call.abs_sum > 0.75 * total:
+            return _problem(f"bucket {k} went out undivided (its all-reduce carried this rank's gradients, not 1/N "
+                            "of them)",
+                            "multiply each bucket by 1/N before its all-reduce, as DDP does: a sum of N fp16 "
+                            "gradients can overflow where their mean would not")
+    return None
+
+
+# --- rung 7: ZeRO-1 (07_zero.py) ---
+class CountingSGD(torch.optim.SGD):
+    """The optimizer class the checker hands to ZeroDDP: it records how many elements each step updates."""
+
+    stepped = []
+
+    def step(self, closure=None):
+        CountingSGD.stepped.append(sum(p.numel() for g in self.param_groups for p in g["params"]))
+        return super().step(closure)
+
+
+def check_zero1(zero_class):
+    """Rung 7: ZeroDDP(module, optimizer_class, **defaults): gradients averaged as under DDP, each rank's optimizer
+    steps its own shard (1/N of the elements), the updated shards gathered: DDP + the same optimizer's weights."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = tiny_net(rank)
+    with recording(), watching("the constructor"):
+        model = zero_class(base, CountingSGD, lr=LR, momentum=MOMENTUM)
+    run = _Run(base, seed=rank)
+    run.compare_start("after construction")
+    total = sum(p.numel() for p in base.parameters())
+    for step in range(STEPS):
+        label = f"step {step + 1} of {STEPS}"
+        x, y = batch(step, rank)
+        before = [p.detach().clone() for p in base.parameters()]
+        CountingSGD.stepped = []
+        with recording(), watching(label):
+            F.mse_loss(model(x), y).backward()
+            model.step()
+            model.zero_grad()
+        run.reference_backward(step)
+        run.ref_opt.step()
+        problem = None
+        for name, p, q, old in zip(run.names, base.parameters(), run.ref.module.parameters(), before):
+            if not run._equal(p.detach(), q.detach()):
+                problem = _zero_problem(name, p.detach(), q.detach(), old, world)
+                break
+        _agree(problem, label)
+        mine = max(CountingSGD.stepped, default=0)
+        shares = _gather_objects(mine)
+        problem = None
+        if mine >= total:
+            problem = _problem(f"this rank's optimizer stepped all {total} elements: ZeRO-1 steps only this rank's "
+                               f"shard, about {total // world}",
+                               "give the optimizer only this rank's 1/N of the parameters (07 cuts each flat bucket "
+                               "into N equal shards); every rank's state is then 1/N of the whole")
+        elif sum(shares) != total:
+            problem = _problem(f"the ranks' optimizers stepped {shares} elements, {sum(shares)} in all, for {total} "
+                               "parameters: the shards must cover every element exactly once")
+        _agree(problem, label)
+    return [run.info(f"start and weights over {STEPS} steps of SGD with momentum on {world} ranks:"),
+            f"each rank's optimizer steps {_gather_objects(max(CountingSGD.stepped, default=0))} of {total} "
+            "elements: state for its shard only"]
+
+
+def _zero_problem(name, got, want, old, world):
+    stale = (got == old) & (want != old)
+    if stale.any():
+        i = int(stale.reshape(-1).nonzero()[0])
+        return _problem(f"{name}: {int(stale.sum())} of {got.numel()} elements (the first at [{_index(got, i)}]) kept "
+                        "their old values where DDP's changed",
+                        "after stepping its own shard, each rank must all-gather the updated shards, so every rank "
+                        "ends with every parameter (and every element must belong to some rank's shard)")
+    if torch.allclose(got - old, (want - old) * world, rtol=1e-4, atol=1e-7):
+        return _problem(f"{name}: the update is {world}x DDP's: the gradients were summed, not averaged",
+                        f"divide by the world size (N = {world}) before stepping")
+    i = _first_difference(got, want)
+    return _problem(f"weights after the step: {name}[{_index(got, i)}] is {_num(got.reshape(-1)[i])}, DDP's "
+                    f"{_num(want.reshape(-1)[i])}")
+
+
+EXERCISES = {
+    "tree_broadcast": Exercise(("tree_broadcast",), 4, check_tree_broadcast, "02_broadcast.py"),
+    "ring_all_reduce": Exercise(("ring_all_reduce",), 3, check_ring_all_reduce, "03_all_reduce.py", ring_speed),
+    "sampler": Exercise(("DistributedSampler",), 1, check_sampler, "04_sampler.py"),
+    "ddp_naive": Exercise(("average_gradients",), 2, check_average_gradients, "05_manual_ddp_gpt2.py"),
+    "ddp_overlap": Exercise(("OverlapDDP",), 2, check_overlap, "tests/exercise_solutions/ddp_overlap.py"),
+    # ManualDDP: 05's class until its core is carved out under the name DDPCore.
+    "ddp_buckets": Exercise(("DDPCore", "ManualDDP"), 2, check_buckets, "05_manual_ddp_gpt2.py"),
+    "zero1": Exercise(("ZeroDDP",), 2, check_zero1, "07_zero.py"),
+}
+
+
+# --- one rank of the checker: join the group, load the file, grade it, say how it went ---
+def run_rank(name, path, rank, world, hang_s, speed=True):
+    """Grade `path` as exercise `name` on this rank; return a record for check.py (a dict, JSON-ready)."""
+    exercise = EXERCISES[name]
+    try:
+        if world > 1:
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=hang_s + 30))
+        install_counters()  # before the file is loaded, so `from torch.distributed import send` is counted too
+        obj = load(path, exercise.names)
+        info = exercise.check(obj)
+        if speed and exercise.speed:
+            info += exercise.speed(obj)
+        return {"status": "pass", "info": info}
+    except Failed as e:
+        return {"status": "fail", "message": str(e)}
+    except Exception as e:
+        frames = traceback.extract_tb(e.__traceback__)
+        frame = _frame_in(frames, path)
+        if isinstance(e, NotImplementedError) and frame is not None and frame is frames[-1]:
+            return {"status": "not_implemented", "where": _describe(frame)}
+        where = _describe(frame)
+        if isinstance(e, SyntaxError):  # the file does not even compile: it has no frame of its own
+            where = {"file": os.path.basename(e.filename or path), "line": e.lineno, "function": None,
+                     "code": (e.text or "").strip()}
+        return {"status": "error", "time": time.time(), "message": f"{type(e).__name__}: {e}".strip(),
+                "where": where, "checker": None if where else _checker_frame(frames),
+                "label": _watchdog.label if _watchdog else None}
+
+
+def load(path, names):
+    """Import the participant's file (its folder on sys.path, so it may import its neighbours); return the first
+    of `names` it defines."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location("participant_" + os.path.basename(path).split(".")[0], path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    for name in names:
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise Failed(f"{path} defines no {names[0]}: the checker grades that name (keep the stub's signature)")
+
+
+def _frame_in(frames, path):
+    mine = [f for f in frames if os.path.abspath(f.filename) == os.path.abspath(path)]
+    return mine[-1] if mine else None
+
+
+def _describe(frame):
+    if frame is None:
+        return None
+    return {"file": os.path.basename(frame.filename), "line": frame.lineno, "function": frame.name,
+            "code": (frame.line or "").strip()}
+
+
+def _checker_frame(frames):
+    ours = [f for f in frames if not f.filename.startswith(os.path.dirname(torch.__file__))]
+    return _describe(ours[-1]) if ours else None
+
+
+# --- agreement across ranks: every rank learns the first failure and raises it together ---
+_books = {}
+
+
+def _book():
+    """A process group of our own for the verdicts, apart from the one the participant's messages use."""
+    key = id(c10d._get_default_group())
+    if key not in _books:
+        _books[key] = dist.new_group(backend="gloo")
+    return _books[key]
+
+
+def _agree(problem, label):
+    """Raise Failed on every rank if `problem` (a message or None) is set on any, naming the lowest such rank."""
+    if not dist.is_initialized():
+        if problem:
+            raise Failed(f"{label}: {problem}")
+        return
+    flag = torch.tensor([0 if problem is None else 1])
+    _all_reduce(flag, op=dist.ReduceOp.MAX, group=_book())
+    if flag.item():
+        problems = _gather_objects(problem)
+        r = next(k for k, p in enumerate(problems) if p)
+        raise Failed(f"rank {r}, {label}: {problems[r]}")
+
+
+def _gather_objects(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=_book())
+    return out
+
+
+def _gather_tensors(x):
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    _all_gather(out, x.contiguous(), group=_book())
+    return out
+
+
+def _barrier():
+    _all_reduce(torch.zeros(1), group=_book())
+
+
+def _differs_from_rank0(named, hint):
+    """A problem if any of the named tensors differs from rank 0's copy, bit for bit."""
+    for name, t in named:
+        ref = t.detach().contiguous().clone()
+        _broadcast(ref, src=0, group=_book())
+        if not torch.equal(ref, t.detach()):
+            i = _first_difference(t.detach(), ref)
+            return _problem(f"{name} differs from rank 0's at [{_index(t, i)}]: rank 0 has "
+                            f"{_num(ref.reshape(-1)[i])}, this rank {_num(t.detach().reshape(-1)[i])}", hint)
+    return None
+
+
+# --- counting what a solution sends: wrappers around torch.distributed's functions ---
+_all_reduce, _broadcast, _all_gather = dist.all_reduce, dist.broadcast, dist.all_gather  # the checker's own
+KINDS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "all_reduce": "collective",
+         "broadcast": "collective", "all_gather_into_tensor": "collective", "all_gather_single": "collective",
+         "reduce_scatter_tensor": "collective", "reduce_scatter_single": "collective", "all_gather": "collective"}
+
+
+@dataclass
+class Call:
+    op: str
+    numel: int
+    nbytes: int
+    async_op: bool
+    phase: str
+    ready: int  # gradients ready when it was launched (see _count_ready)
+    abs_sum: float  # all_reduce: sum of |x| at launch (was the bucket multiplied by 1/N before?)
+    work: object = None
+
+
+class _Tracked:
+    """A Work returned to the participant, noting whether anyone waited for it."""
+
+    def __init__(self, work):
+        self._work, self.waited = work, False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return self._work.wait(*args, **kwargs)
+
+    def get_future(self):
+        self.waited = True  # whoever takes the future waits through it
+        return self._work.get_future()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class _Recorder:
+    def __init__(self, ready=None):
+        self.calls, self.phase, self.ready, self.inside = [], "forward", ready, False
+
+    def count(self, kind):
+        return sum(1 for c in self.calls if KINDS[c.op] == kind)
+
+    def bytes(self, kind):
+        return sum(c.nbytes for c in self.calls if KINDS[c.op] == kind)
+
+    def names(self, kind):
+        return sorted({f"dist.{c.op}" for c in self.calls if KINDS[c.op] == kind})
+
+    def calls_of(self, op):
+        return [c for c in self.calls if c.op == op]
+
+
+_recorder = None
+
+
+@contextlib.contextmanager
+def recording(ready=None):
+    """Record the calls into torch.distributed made inside; `ready`, from _count_ready, counts gradients."""
+    global _recorder
+    _recorder = _Recorder(ready)
+    if ready is not None:
+        ready[0] = 0
+    try:
+        yield _recorder
+    finally:
+        _recorder = None
+
+
+def _count_ready(module):
+    """Hooks, registered before the participant's, counting the gradients autograd has produced so far."""
+    ready = [0]
+
+    def hook(p):
+        ready[0] += 1
+
+    for p in module.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    return ready
+
+
+def _counted(op, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        rec = _recorder
+        if rec is None or rec.inside:  # torch's send calls isend: count the outer call only
+            return fn(*args, **kwargs)
+        t = args[0] if args else next((v for v in kwargs.values() if torch.is_tensor(v)), None)
+        if isinstance(t, list):  # all_gather's list of outputs: count its input instead
+            t = args[1] if len(args) > 1 else kwargs.get("tensor")
+        async_op = kwargs.get("async_op", op in ("isend", "irecv"))
+        call = Call(op, t.numel() if torch.is_tensor(t) else 0, t.numel() * t.element_size() if torch.is_tensor(t)
+                    else 0, bool(async_op), rec.phase, rec.ready[0] if rec.ready else 0,
+                    t.detach().double().abs().sum().item() if op == "all_reduce" and torch.is_tensor(t) else 0.0)
+        rec.calls.append(call)
+        rec.inside = True
+        try:
+            work = fn(*args, **kwargs)
+        finally:
+            rec.inside = False
+        if op == "all_reduce" and work is not None:
+            work = call.work = _Tracked(work)
+        return work
+    wrapper.counted = True
+    return wrapper
+
+
+def install_counters():
+    """Replace torch.distributed's point-to-point and collective functions with counting ones (once; they count
+    only inside recording()). Both namespaces: batch_isend_irecv checks `op is isend` in distributed_c10d."""
+    for op in KINDS:
+        fn = getattr(dist, op, None)
+        if fn is None or getattr(fn, "counted", False):
+            continue
+        wrapped = _counted(op, fn)
+        setattr(dist, op, wrapped)
+        if getattr(c10d, op, None) is fn:
+            setattr(c10d, op, wrapped)
+
+
+# --- the watchdog: a hang becomes the place where each rank waits ---
+_watchdog = None
+
+
+def watching(label):
+    return _watchdog.watch(label) if _watchdog else contextlib.nullcontext()
+
+
+class Watchdog:
+    """A thread that, when the main thread has spent more than hang_s seconds in one watched call (or when check.py
+    asks, by creating `request`), writes where the main thread is to `out`: the innermost line of `participant`."""
+
+    def __init__(self, hang_s, out, request, participant):
+        self.hang_s, self.out, self.request, self.participant = hang_s, out, request, os.path.abspath(participant)
+        self.label, self.since, self.main = None, None, threading.main_thread().ident
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @contextlib.contextmanager
+    def watch(self, label):
+        self.label, self.since = label, time.monotonic()
+        try:
+            yield
+        finally:
+            self.since = None
+
+    def _run(self):
+        while True:
+            time.sleep(0.05)
+            since = self.since
+            if os.path.exists(self.request) or (since is not None and time.monotonic() - since > self.hang_s):
+                self._dump(since)
+                return
+
+    def _dump(self, since):
+        frame = sys._current_frames().get(self.main)
+        stack = traceback.extract_stack(frame) if frame is not None else []
+        mine = _frame_in(stack, self.participant)
+        ours = [f for f in stack if f.filename == __file__]
+        record = {"status": "hang", "label": self.label if since is not None else None,
+                  "waited_s": None if since is None else round(time.monotonic() - since, 1),
+                  "where": _describe(mine), "checker": _describe(ours[-1]) if ours else None}
+        tmp = self.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, self.out)
+
+
+def start_watchdog(hang_s, out, request, participant):
+    global _watchdog
+    _watchdog = Watchdog(hang_s, out, request, participant)
+
+
+# --- small helpers for messages ---
+def _dtype(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _num(x):
+    v = x.item() if torch.is_tensor(x) else x
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def _kind_of(obj):
+    return "None" if obj is None else f"a {type(obj).__name__}"
+
+
+def _index(t, i):
+    """Flat index i as an index into t's shape."""
+    if t.dim() <= 1:
+        return str(i)
+    idx = []
+    for size in reversed(t.shape):
+        idx.append(i % size)
+        i //= size
+    return ", ".join(map(str, reversed(idx)))
+
+
+def _first_difference(a, b, close_enough=False, tol=0.0):
+    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
+    if close_enough:
+        differs = ~torch.isclose(a.double(), b.double(), rtol=tol, atol=tol)
+    else:
+        differs = a != b
+    hits = differs.nonzero()
+    return int(hits[0]) if len(hits) else 0
+
+
+def _brief(indices, shown=12):
+    return str(indices) if len(indices) <= shown else str(indices[:shown])[:-1] + f", ... ({len(indices)} in all)]"
