@@ -83,19 +83,19 @@ def who_am_i(rank, world, device):
 
 
 def main(args):
-    rank, world, device = join(args)
+    rank, world, device = join(args)  # 0. join the job
     print0(f"world_size={world} backend={dist.get_backend()} device={device.type} torch={torch.__version__}")
     if args.blocking and dist.get_backend() == "nccl":
         raise UsageError("--blocking shows the deadlock on gloo (add --backend gloo): NCCL's send() blocks the GPU "
                          "stream, not this call, and its watchdog would end the job in an abort, not one line")
-    who_am_i(rank, world, device)
+    who_am_i(rank, world, device)  # 1. who is who
     if dist.get_backend() == "gloo" and device.type == "cuda":
         # gloo's send/recv read and write host memory only (its CUDA support covers collectives): a CUDA
         # tensor's address would go to the socket as is. So on gloo the messages below live on the CPU.
         print0("note: gloo sends CPU tensors only: the messages below are staged on the CPU (nccl sends GPU memory)")
         device = torch.device("cpu")
 
-    # 1. Blocking: each call returns only when the message is handed over, so the order of calls matters.
+    # 2. Blocking: each call returns only when the message is handed over, so the order of calls matters.
     if rank == 0:
         for dst in range(1, world):
             dist.send(torch.full((4,), float(dst), device=device), dst=dst)
@@ -107,7 +107,7 @@ def main(args):
     log_in_rank_order("send/recv: sent a tensor to every other rank" if rank == 0 else
                       f"send/recv: got {got.tolist()} from rank 0")
 
-    # 2. Non-blocking: isend/irecv return a handle at once; we can compute while the bytes travel.
+    # 3. Non-blocking: isend/irecv return a handle at once; we can compute while the bytes travel.
     mine = torch.tensor([rank * 10.0, rank * 10.0 + 1], device=device)
     if rank == 0:
         inbox = [torch.empty(2, device=device) for _ in range(world - 1)]
@@ -124,7 +124,7 @@ def main(args):
         assert all(torch.equal(a, b) for a, b in zip(gathered, library)), "hand-written gather != dist.gather"
         print0(f"isend/irecv gather: {[t.tolist() for t in gathered]} == dist.gather")
 
-    # 3a. A token around the ring, one hop at a time: rank r receives from r-1, adds r, sends to r+1.
+    # 4a. A token around the ring, one hop at a time: rank r receives from r-1, adds r, sends to r+1.
     right, left = (rank + 1) % world, (rank - 1) % world
     token = torch.zeros(1, device=device)
     if rank == 0:
@@ -137,7 +137,7 @@ def main(args):
         token += rank
         dist.send(token, dst=right)
 
-    # 3b. A ring shift: everyone sends right and receives from the left at the same time.
+    # 4b. A ring shift: everyone sends right and receives from the left at the same time.
     send, recv = torch.full((3,), float(rank), device=device), torch.empty(3, device=device)
     if args.blocking:
         # Break it. A blocking send returns only once the receiver has posted the matching recv; here every
