@@ -1,7 +1,10 @@
-"""docs/figures.py draws the README's figures from real runs: one is regenerated here, so its command cannot rot."""
+"""docs/figures.py draws the README's figures from real runs: one is regenerated here, so its command cannot rot.
+docs/diagrams.py draws the concept drawings: all are regenerated here and must equal the committed ones."""
 
+import re
 import struct
 import sys
+from xml.etree import ElementTree
 
 import launch
 
@@ -41,3 +44,38 @@ def test_the_readme_shows_every_figure_with_its_command():
                           ("learning_curves", "curves")):
         assert (launch.REPO / "docs" / f"{name}.png").exists(), name
         assert f"(docs/{name}.png)" in readme and f"python docs/figures.py {command}" in readme, name
+
+
+# Each drawing, the command that draws it, and words it must show (the SVGs keep their text as text).
+DIAGRAMS = {"tree_broadcast": ("tree", ["rank 2 (src)", "round 3"]),
+            "ring_steps": ("ring", ["reduce-scatter, step 3:", "all-gather, step 3:", "0+1+2"]),
+            "bucket_overlap": ("buckets", ["bucket 0", "layer 6", "naive: all-reduce"]),
+            "zero_shards": ("shards", ["ZeRO-1 (07)", "ZeRO-2 (07)", "FSDP (08)", "1P per rank"])}
+
+
+def creator(svg):
+    """The matplotlib version an SVG names as its creator."""
+    return re.search(rb"Matplotlib v[^,<]+", svg).group()
+
+
+def test_the_diagrams_are_drawn_again_the_same(tmp_path):
+    runs = [launch.run([sys.executable, "docs/diagrams.py", "--out", tmp_path / k], timeout=120) for k in "ab"]
+    for res in runs:
+        assert res.returncode == 0 and res.output.count("wrote") == len(DIAGRAMS), res.output
+    for name, (_, words) in DIAGRAMS.items():
+        drawn = (tmp_path / "a" / f"{name}.svg").read_bytes()
+        root = ElementTree.fromstring(drawn)
+        assert root.tag == "{http://www.w3.org/2000/svg}svg" and root.find("{http://www.w3.org/2000/svg}title").text
+        text = " ".join("".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text"))
+        assert all(w in text for w in words), (name, text)
+        assert drawn == (tmp_path / "b" / f"{name}.svg").read_bytes(), f"{name}: two runs differ"
+        committed = (launch.REPO / "docs" / f"{name}.svg").read_bytes()
+        # The same matplotlib writes the same bytes; another version may place a point differently.
+        if creator(committed) == creator(drawn):
+            assert drawn == committed, f"docs/{name}.svg is not what python docs/diagrams.py draws: run it again"
+
+
+def test_the_readme_shows_every_diagram_with_its_command():
+    readme = (launch.REPO / "README.md").read_text()
+    for name, (command, _) in DIAGRAMS.items():
+        assert f"(docs/{name}.svg)" in readme and f"python docs/diagrams.py {command}" in readme, name
