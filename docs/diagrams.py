@@ -55,9 +55,10 @@ def tree_sends(world, src):
     the 2**(k-1) vranks that hold the data each send it to vrank + 2**(k-1)."""
     sends = []
     for k in range(math.ceil(math.log2(world))):
-        for v in range(1 << k):
-            if v + (1 << k) < world:
-                sends.append((k + 1, (v + src) % world, (v + (1 << k) + src) % world))
+        step = 1 << k  # round k+1: the vranks below `step` hold the data
+        for v in range(step):
+            if v + step < world:
+                sends.append((k + 1, (v + src) % world, (v + step + src) % world))
     return sends
 
 
@@ -74,16 +75,20 @@ def tree(out):
             ax.text(-0.3, r, f"rank {r}" + (" (src)" if r == src else ""), ha="right", va="center",
                     fontweight="bold" if r == src else "normal")
             ax.plot([0, rounds], [r, r], color="0.85", lw=1.5, zorder=0)
-            for k in range(rounds + 1):
+            for k in range(rounds + 1):  # the source green, the ranks it has reached blue
                 fill = (DONE if r == src else SUMMING) if got[r] <= k else "white"
                 ax.plot(k, r, "o", markersize=20, markerfacecolor=fill, markeredgecolor="0.3", zorder=3)
-        for k, a, b in sends:  # in round k, sender a to receiver b
-            arrow(ax, (k - 1 + 0.12, a + 0.1 * (b > a) - 0.1 * (b < a)), (k - 0.12, b - 0.1 * (b > a) + 0.1 * (b < a)))
+        for k, a, b in sends:  # in round k, sender a to receiver b: from the dot's side that faces b
+            nudge = 0.1 if b > a else -0.1
+            arrow(ax, (k - 0.88, a + nudge), (k - 0.12, b - nudge))
         for k in range(rounds + 1):
             ax.text(k, -0.6, "start" if k == 0 else f"round {k}", ha="center", va="center")
-        ax.set_title(f"{world} ranks, src {src}: {rounds} rounds" if src == 0 else
-                     f"{world} ranks, --src {src}: counted from the source,\nrank 2 is vrank 0, rank 3 vrank 1...",
-                     fontsize=16)
+        if src == 0:
+            title = f"{world} ranks, src 0: {rounds} rounds"
+        else:
+            title = (f"{world} ranks, --src {src}: counted from the source,\n"
+                     f"rank {src} is vrank 0, rank {src + 1} vrank 1...")
+        ax.set_title(title, fontsize=16)
     fig.suptitle("02: tree_broadcast, a binomial tree: each round, every rank holding the data sends it to one more\n"
                  "the holders double each round: ceil(log2 N) rounds, where the source alone would need N-1 sends",
                  fontsize=17)
@@ -193,20 +198,19 @@ def bucket_timeline(layers=6, per_bucket=2, backward=1.0, all_reduce=1.6, latenc
 def buckets(out):
     plt = pyplot()
     blocks, reduces, naive = bucket_timeline()
-    colors = ["C0", "C1", "C2", "C4"]
     fig, ax = plt.subplots(figsize=(15, 6.6))
     rows = {"backward": 0, "all-reduce (05)": 1, "naive: backward": 3.0, "naive: all-reduce": 4.0}
     for label, start, end, b in blocks:
         for row in ("backward", "naive: backward"):
-            ax.barh(rows[row], end - start, left=start, height=0.62, color=colors[b], alpha=0.45, edgecolor="white",
+            ax.barh(rows[row], end - start, left=start, height=0.62, color=f"C{b}", alpha=0.45, edgecolor="white",
                     lw=2)
             ax.text((start + end) / 2, rows[row], label, ha="center", va="center", fontsize=13)
     for label, start, end, b in reduces:
-        ax.barh(rows["all-reduce (05)"], end - start, left=start, height=0.62, color=colors[b], edgecolor="white",
+        ax.barh(rows["all-reduce (05)"], end - start, left=start, height=0.62, color=f"C{b}", edgecolor="white",
                 lw=2)
         ax.text((start + end) / 2, rows["all-reduce (05)"], label, ha="center", va="center", color="white",
                 fontweight="bold")
-        ready = start if b == 0 else blocks[2 * b + 1][2]
+        ready = max(end for _, _, end, bucket in blocks if bucket == b)  # its last gradient is in
         ax.plot([ready, ready], [rows["backward"] + 0.31, rows["all-reduce (05)"] - 0.31], ":", color="0.2", lw=1.8)
     for label, start, end, _ in naive:
         ax.barh(rows["naive: all-reduce"], end - start, left=start, height=0.62, color="C3", edgecolor="white", lw=2)
@@ -248,14 +252,14 @@ SCHEMES = {  # per kind: True if every rank holds all of it, False if only its o
 BYTES = {"parameters": 1, "gradients": 1, "optimizer state": 2}  # in P, fp32: AdamW keeps two moments a weight
 
 
-def held(scheme, world):
+def bytes_held(scheme, world):
     """What one rank holds under `scheme`, in P (the parameters' bytes in fp32)."""
     return sum(size * (1 if SCHEMES[scheme][kind] else 1 / world) for kind, size in BYTES.items())
 
 
 def shards(out, world=4):
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(SCHEMES), figsize=(16, 7.6), sharey=True)
+    fig, axes = plt.subplots(1, len(SCHEMES), figsize=(16, 7.6))
     unit = 1.6  # the length of P
     for ax, (scheme, full) in zip(axes, SCHEMES.items()):
         canvas(ax, 2 * unit + 0.3, world * 1.45 + 0.2, top=0.3)
@@ -269,7 +273,7 @@ def shards(out, world=4):
                                                facecolor=KIND[kind] if mine else "white",
                                                edgecolor="white" if mine else "0.6", linestyle="-" if mine else ":"))
             ax.text(0.15, top - 0.05, f"rank {r}", fontsize=13, va="bottom")
-        ax.set_title(f"{scheme}\n{held(scheme, world):g}P per rank", fontsize=17)
+        ax.set_title(f"{scheme}\n{bytes_held(scheme, world):g}P per rank", fontsize=17)
     fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND.values()] +
                [plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="0.6", linestyle=":")],
                labels=["parameters (P)", "gradients (P)", "optimizer state (AdamW: 2P)", "not held: another rank's"],
