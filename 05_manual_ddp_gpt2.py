@@ -1,12 +1,13 @@
 """05 - DDP by hand: a drop-in for torch.nn.parallel.DistributedDataParallel, training a Hugging Face GPT-2.
 
-What it teaches: ManualDDP below does what PyTorch's DDP does, with its arguments and its results (bit for bit):
-broadcast rank 0's weights at start; pack gradients into buckets, first in parameter order, then rebuilt once in
-the order the first backward really produced them; start each bucket's all-reduce from a backward hook as soon
-as its last gradient lands, so communication overlaps the rest of backward; no communication at all while
-accumulating (no_sync). Then the drop-in surface: buffers, process groups, communication hooks, uneven inputs.
-The training loop around it is crash-safe: atomic checkpoints from global rank 0, resume from the newest one that
-loads, one run per --out, and survival of killed workers under torchrun --max-restarts.
+What it teaches: DDPCore, right below, is what PyTorch's DDP does, bit for bit, in about 200 lines: broadcast
+rank 0's weights at start; pack gradients into buckets, first in parameter order, then rebuilt once in the order
+the first backward really produced them; start each bucket's all-reduce from a backward hook as soon as its last
+gradient lands, so communication overlaps the rest of backward; no communication at all while accumulating
+(no_sync). The default run trains with it. ManualDDP, after the training code, is the core plus the drop-in
+surface that code written for PyTorch's class uses: unused parameters, communication hooks, uneven inputs (join),
+DDP's other arguments and errors. The training loop is crash-safe: atomic checkpoints from global rank 0, resume
+from the newest one that loads, one run per --out, and survival of killed workers under torchrun --max-restarts.
 
 Run it (the default trains a small GPT-2 offline on Python's own standard library sources):
   1 process:  python 05_manual_ddp_gpt2.py
@@ -55,49 +56,22 @@ SAMPLE_TOP_K, SAMPLE_TEMPERATURE = 20, 0.8  # the generated sample at the end
 PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989, "NVIDIA H100 PCIe": 756, "NVIDIA H100 NVL": 835, "NVIDIA H200": 989,
                "NVIDIA A100-SXM4-80GB": 312, "NVIDIA A100-SXM4-40GB": 312, "NVIDIA A100 80GB PCIe": 312,
                "NVIDIA A100-PCIE-40GB": 312, "NVIDIA L40S": 362, "NVIDIA L40": 181, "NVIDIA L4": 121}
+# DDP's own words for a model with nothing to train, which PyTorch's tests match on
+NOTHING_TO_AVERAGE = ("DistributedDataParallel is not needed when a module doesn't have any parameter that requires "
+                      "a gradient.")
 
 # --- the idea: DDP by hand ---
-class _Bucket:
-    """One flat gradient buffer shared by several parameters. It also offers what a DDP communication hook
-    reads from torch.distributed.GradBucket, so hooks written for PyTorch's DDP run on it unchanged."""
+class Bucket:
+    """The gradients of several parameters in one flat tensor. Each parameter's .grad is a view of its slot, so
+    backward writes straight into the bucket and the whole bucket leaves in one all-reduce: nothing is copied."""
 
-    def __init__(self, params, index, count):
-        self.params, self._index, self._count = params, index, count
+    def __init__(self, params, indices):
+        self.params, self.indices = params, indices  # indices: where these parameters sit in DDPCore.params
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        self._buffer = self.flat
-        self.views = self.gradients()  # parameter i's .grad IS views[i]: no copy in, no copy out
-        self.ready, self.pending, self.future = [False] * len(params), len(params), None
-        self.zeroed = set()  # slots whose view forward zeroed for a gradient to come (see ManualDDP._grad_arriving)
-        self.work = None  # the last all-reduce's Work, kept until the next one: see ManualDDP._launch
-
-    def __getstate__(self):  # a copy of the wrapper has no message in flight
-        return {**self.__dict__, "work": None, "future": None}
-
-    def buffer(self):
-        return self._buffer
-
-    def set_buffer(self, tensor):
-        self._buffer = tensor
-
-    def index(self):
-        return self._index
-
-    def is_last(self):
-        return self._index == self._count - 1
-
-    def parameters(self):
-        return self.params
-
-    def gradients(self):
-        offsets = itertools.accumulate([p.numel() for p in self.params], initial=0)
-        return [self._buffer[o:o + p.numel()].view_as(p) for o, p in zip(offsets, self.params)]
-
-
-def _call(wrapper, method, *args):
-    """Call a method of the wrapper behind a weak reference, if the wrapper still exists."""
-    target = wrapper()
-    if target is not None:
-        return getattr(target, method)(*args)
+        offsets = itertools.accumulate([p.numel() for p in params], initial=0)
+        self.views = [self.flat[o:o + p.numel()].view_as(p) for o, p in zip(offsets, params)]
+        self.pending = len(params)  # gradients this backward has still to produce
+        self.work = None  # the last all-reduce, kept until the next (why: docs/manual_ddp.md, "A clean exit")
 
 
 def bucket_layout(params, order, caps):
@@ -105,7 +79,7 @@ def bucket_layout(params, order, caps):
     once it holds caps[0] bytes; later buckets of that kind use the next cap in the list (the last one repeats)."""
     running, done = {}, []
     for i in order:
-        kind = (params[i].dtype, params[i].device)  # one bucket holds one dtype on one device
+        kind = (params[i].dtype, params[i].device)  # one flat tensor holds one dtype on one device
         indices, size, k = running.get(kind, ([], 0, 0))
         indices.append(i)
         size += params[i].numel() * params[i].element_size()
@@ -116,411 +90,204 @@ def bucket_layout(params, order, caps):
     return done + [indices for indices, _, _ in running.values() if indices]
 
 
-def _let_gloo_threads_finish():
-    """At exit, while the interpreter is still whole: give up the GIL a moment, so that a gloo worker thread that
-    still has to free a Work (its destructor takes the GIL) does it now, not during finalisation (SIGABRT)."""
-    time.sleep(0.05)
+def _call(wrapper, method, *args):
+    """Call a method of the wrapper behind a weak reference, if the wrapper still exists."""
+    target = wrapper()
+    if target is not None:
+        return getattr(target, method)(*args)
 
 
-class ManualDDP(nn.Module, Joinable):
-    """torch.nn.parallel.DistributedDataParallel by hand: after loss.backward() every .grad is the group's mean.
+class DDPCore(nn.Module):
+    """DistributedDataParallel's idea: after loss.backward(), every .grad holds the mean of all ranks' gradients,
+    and the all-reduces that made it ran while backward was still computing the rest.
 
-    Takes DDP's arguments, with DDP's defaults and meanings. Where the design makes one moot, it says so here:
-    gradients always live in the buckets, so gradient_as_bucket_view and batched_grad_copy change nothing
-    (the mean is taken as DDP's default path takes it: times 1/N); dim and check_reduction are unused, as in DDP
-    for one device per process; mixed_precision (DDP's experimental, private _MixedPrecision) is not
-    implemented: use torch.autocast. Ours: verify=True checks the replicas are identical instead of broadcasting.
+    What it leaves out, each an error or a wrong result here, each handled by ManualDDP (further down):
+      - a parameter that gets no gradient in some backward: find_unused_parameters=True, or static_graph=True;
+      - ranks with different numbers of batches: join(); other reductions than the mean: register_comm_hook();
+      - DDP's other arguments (device_ids, init_sync, delay_all_reduce_named_params, bucket_cap_mb_list, ...),
+        pickling the wrapper, _get_ddp_logging_data(), and DDP's own wording of its errors.
     """
 
-    def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None, init_sync=True,
-                 process_group=None, bucket_cap_mb=None, find_unused_parameters=False, check_reduction=False,
-                 gradient_as_bucket_view=False, static_graph=False, delay_all_reduce_named_params=None,
-                 param_to_hook_all_reduce=None, mixed_precision=None, device_mesh=None,
-                 skip_all_reduce_unused_params=False, bucket_cap_mb_list=None, batched_grad_copy=False,
-                 forward_sync_buffers=None, *, verify=False):
+    bucket_class = Bucket  # ManualDDP's buckets also answer what a communication hook asks of one
+
+    def __init__(self, module, process_group=None, bucket_cap_mb=None, broadcast_buffers=True):
         super().__init__()
-        Joinable.__init__(self)
-        if mixed_precision is not None:
-            raise NotImplementedError("ManualDDP has no mixed_precision=: use torch.autocast around forward")
-        if process_group is not None and device_mesh is not None:
-            raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
-        if device_mesh is not None and device_mesh.ndim != 1:
-            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
-        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
-            raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set together.")
-        for cap in [bucket_cap_mb] + list(bucket_cap_mb_list or []):
-            if cap is not None and not cap > 0:
-                raise ValueError(f"bucket sizes must be positive, got {cap}")
-        group = device_mesh.get_group(0) if device_mesh is not None else process_group
-        self.process_group = group or dist.group.WORLD
-        if device_mesh is not None:
-            self.device_mesh = device_mesh  # as DDP: set only when given
-        atexit.unregister(_let_gloo_threads_finish)  # once per process, however many wrappers
-        atexit.register(_let_gloo_threads_finish)
-        self.module, self.dim, self.static_graph = module, dim, static_graph
-        self.find_unused_parameters, self.gradient_as_bucket_view = find_unused_parameters, gradient_as_bucket_view
-        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
-        # As in DDP 2.14: forward_sync_buffers, if given, wins (and buffers are broadcast at construction); else
-        # broadcast_buffers (default True) rules both the broadcast at construction and the one before every forward.
-        if broadcast_buffers is not None:  # deprecated in DDP 2.14, which warns the same way
-            warnings.warn("broadcast_buffers is deprecated: use forward_sync_buffers"
-                          + (" (broadcast_buffers is ignored when both are given)" if forward_sync_buffers is not None
-                             else "; note that forward_sync_buffers=False still broadcasts buffers at construction"),
-                          FutureWarning, stacklevel=2)
-        self.forward_sync_buffers = forward_sync_buffers
-        if forward_sync_buffers is None:
-            self.forward_sync_buffers = broadcast_buffers is not False
-        init_sync_buffers = forward_sync_buffers is not None or broadcast_buffers is not False
-        self.require_backward_grad_sync = self.require_forward_param_sync = True
-        # Names DDP leaves alone: those the model lists (DDP._set_params_and_buffers_to_ignore_for_model), and the
-        # delayed parameters, which travel on their own.
-        delayed = dict(delay_all_reduce_named_params or [])
-        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | set(delayed)
-        named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
-        trained = [(n, p) for n, p in named if p.requires_grad]
-        self.names, self.params = [n for n, _ in trained], [p for _, p in trained]
-        devices = {p.device for p in self.params} | {p.device for p in delayed.values()}
-        if not devices:
-            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any parameter "
-                               "that requires a gradient.")
-        self.device = next(iter(devices))
-        self.device_ids, self.output_device = self._check_device_ids(device_ids, output_device, devices)
+        self.module, self.broadcast_buffers = module, broadcast_buffers
+        self.process_group = process_group or dist.group.WORLD
         self.world = dist.get_world_size(self.process_group)
-        # Replicas must start identical: the same averaged gradient applied to different weights would keep them
-        # different forever. So rank 0's value of EVERY parameter wins, frozen ones too (a frozen layer that
-        # differs would make the outputs differ), and of every buffer.
-        state = [p for _, p in named] + (self.buffers_to_sync if init_sync_buffers else [])
-        if init_sync or verify:
-            self._check_shapes(state)
-        if verify:
-            self._check_identical(state + list(delayed.values()))
-        else:
-            if delayed:  # sent even without init_sync, as DDP does
-                self._broadcast(list(delayed.values()), src=0)
-            if init_sync and self.params:  # DDP skips it when every trained parameter is delayed
-                self._broadcast(state, src=0)
+        self._divisor = self.world  # the mean divides by this
+        self.require_backward_grad_sync = True  # False inside no_sync(): backward then stays local
+        self.require_forward_param_sync = True  # broadcast the buffers before the next forward
+        named = self._parameters_to_sync()
+        self.names = [n for n, p in named if p.requires_grad]
+        self.params = [p for _, p in named if p.requires_grad]
+        self.device = next(module.parameters()).device  # where the buckets live
+        # Replicas must start identical: the same mean gradient applied to different weights would keep them
+        # different forever. So rank 0's value of every parameter wins (frozen ones too: they shape the output),
+        # and of every buffer (BatchNorm's running statistics) if buffers are synced.
+        self._sync_module_states([p for _, p in named])
+        # Buckets, DDP's way: the first backward runs with ONE bucket in parameter order, only a guess at the order
+        # gradients arrive in. That backward shows the real order, and the buckets are cut again in it, once,
+        # before the next forward (_maybe_rebuild). Reversed: backward produces the last layers' gradients first.
+        first_caps, self._caps = self._bucket_caps(bucket_cap_mb)
+        self._set_buckets(sorted(bucket_layout(self.params, range(len(self.params)), first_caps), key=min,
+                                 reverse=True))
+        self._rebuilt, self._order = False, []  # _order: parameter indices as the first backward made them ready
+        self._next, self._queued = 0, False  # the next bucket to launch; _finish queued for this backward
+        self._register_hooks()
 
-        # Buckets. DDP's rule: a first iteration with all parameters in ONE bucket, in parameter order: that order
-        # is only a guess of the order backward produces gradients. The first backward reveals the real one; the
-        # buckets are rebuilt once in that order, before the next forward (static_graph: one iteration later).
-        # With find_unused_parameters the graph may change, so the buckets are cut by size once and kept.
-        mib = 1 << 20
-        if bucket_cap_mb_list:
-            self._caps = self._first_caps = [int(c * mib) for c in bucket_cap_mb_list]
-        else:
-            cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * mib)
-            # A small first bucket, 1 MiB, only with the default size: its all-reduce starts early in backward.
-            self._caps = [mib if bucket_cap_mb is None else cap, cap]
-            if static_graph or not find_unused_parameters:
-                self._first_caps = [sys.maxsize]
-            else:
-                self._first_caps = self._caps if bucket_cap_mb is None else [cap]
-        first = bucket_layout(self.params, range(len(self.params)), self._first_caps)
-        self._set_buckets(sorted(first, key=min, reverse=True))  # DDP reverses: last parameters' bucket first
-        self._first_sizes = ", ".join(str(b.flat.numel() * b.flat.element_size()) for b in self.buckets)
-        self._rebuilt = find_unused_parameters and not static_graph  # never rebuilt then
-        self._order, self._syncs, self._queued, self._next, self._hook = [], 0, False, 0, None
-        self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
-        self._unused, self._graph_static = [], True  # find_unused_parameters: for _get_ddp_logging_data
-        self._hook_counts = [0] * len(self.params)  # static_graph: hooks per parameter seen in the first backward
-        self._divisor, self._divide_by_initial, self._fresh, self._joining = self.world, True, set(), False
-        # A synced backward that never reached _finish (it raised), or parameters left without a gradient: DDP's
-        # errors at the next forward, and the last one for _get_ddp_logging_data.
-        self._expect_finish, self._unreduced, self._error = False, [], None
-        # delay_all_reduce_named_params: one bucket of its own, sent when param_to_hook_all_reduce's gradient is
-        # computed (for parameters another parallelism treats first).
-        self._delayed = [_Bucket(list(delayed.values()), -1, 0)] if delayed else []  # zero or one bucket
-        self._delay_trigger = param_to_hook_all_reduce if delayed else None
-        for slot, p in enumerate(self._delayed[0].params if delayed else []):
-            self._slot[id(p)] = (self._delayed[0], slot)
-        self._register_autograd_hooks()
+    def _parameters_to_sync(self):
+        """(name, parameter) pairs, broadcast at construction; those that require a gradient are averaged."""
+        named = list(self.module.named_parameters())
+        if not any(p.requires_grad for _, p in named):
+            raise RuntimeError(NOTHING_TO_AVERAGE)
+        return named
 
-    def _register_autograd_hooks(self):
-        # The hooks reach the wrapper through a weak reference: a wrapper that is dropped (say, to wrap the model
-        # anew) must be freed, not stay alive through its hooks and keep answering every backward.
+    @property
+    def buffers_to_sync(self):
+        return list(self.module.buffers())  # looked up each time: a module may replace a buffer
+
+    def _sync_module_states(self, params):
+        self._broadcast(params + (self.buffers_to_sync if self.broadcast_buffers else []), src=0)
+
+    def _bucket_caps(self, bucket_cap_mb):
+        """(caps before the rebuild, caps after), in bytes. DDP's default: 25 MiB, the first bucket 1 MiB so that
+        its all-reduce starts early in backward ("experiments showed 1MB is a reasonable value", says DDP)."""
+        if bucket_cap_mb is None:
+            return [sys.maxsize], [1 << 20, 25 << 20]
+        return [sys.maxsize], [int(bucket_cap_mb * (1 << 20))]
+
+    def _set_buckets(self, layout):
+        grads = [p.grad for p in self.params]
+        self.buckets = [self.bucket_class([self.params[i] for i in idx], list(idx)) for idx in layout]
+        self._where = [None] * len(self.params)  # parameter index -> (its bucket, its slot there)
+        for b in self.buckets:
+            for slot, i in enumerate(b.indices):
+                self._where[i] = (b, slot)
+                if grads[i] is not None:  # gradients accumulated so far (no_sync) move into the new buckets
+                    b.views[slot].copy_(grads[i])
+                    self.params[i].grad = b.views[slot]
+
+    def _register_hooks(self):
+        # Through a weak reference: a dropped wrapper must be freed, not kept alive by hooks on the parameters
+        # of a module that lives on (and answering its every backward).
         me = weakref.ref(self)
         for i, p in enumerate(self.params):
-            p.register_hook(functools.partial(_call, me, "_grad_arriving", p))
             p.register_post_accumulate_grad_hook(functools.partial(_call, me, "_on_grad_ready", i))
-        for p in self._delayed[0].params if self._delayed else []:
-            p.register_hook(functools.partial(_call, me, "_grad_arriving", p))
-        if self._delay_trigger is not None:
-            self._delay_trigger.register_hook(functools.partial(_call, me, "_launch_delayed"))
 
-    # -- the hot path: forward, a hook per parameter, the end of backward --
+    # -- one step: forward, a hook per parameter, the end of backward --
     def forward(self, *inputs, **kwargs):
-        notified = Join.notify_join_context(self)  # inside join(): an all-reduce counting the ranks still training
-        if notified is not None:  # as DDP, each iteration: the initial world size, or the ranks still training
-            self._divisor = self.world if self._divide_by_initial else int(notified.get_future().wait()[0].item())
-        if self._joining:  # tell ranks that have joined whether this backward will communicate
-            dist.all_reduce(torch.tensor([float(self.require_backward_grad_sync)], device=self.device),
-                            group=self.process_group, async_op=True)
         if torch.is_grad_enabled():
-            self._check_prior_reduction()
-            if self.require_backward_grad_sync:  # not in no_sync micro-steps: those stay free of communication
+            if self.require_backward_grad_sync:  # never inside no_sync(): accumulating costs no communication
                 self._maybe_rebuild()
             self._grads_into_buckets()
-        if self.require_forward_param_sync and self.forward_sync_buffers and self.buffers_to_sync:
+        if self.require_forward_param_sync and self.broadcast_buffers and self.buffers_to_sync:
             self._sync_buffers()
-        if self.device_ids:  # as DDP: inputs move to this process's GPU
-            inputs, kwargs = _to_device((inputs, kwargs), torch.device(self.device.type, self.device_ids[0]))
         output = self.module(*inputs, **kwargs)
-        # Buffers are broadcast before the forward after a synced one (as DDP: not after no_sync forwards).
+        # Buffers are broadcast before the forward that follows a synced one (as DDP: not after no_sync forwards).
         self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         return output
 
     def _grads_into_buckets(self):
-        """Zero the bucket slots of every missing .grad: each becomes a view of its slot when its gradient comes."""
-        # Autograd adds a new gradient INTO an existing .grad, in place; only a missing one (None, as after
-        # optimizer.zero_grad()) gets a fresh tensor. With .grad a view of the bucket there is nothing to copy in
-        # and nothing to copy back (PyTorch's DDP copies in, then out again by default).
-        self._fresh = set()  # parameters whose .grad this forward created (find_unused: None again if no rank used it)
-        for b in self.buckets + self._delayed:
-            missing = [i for i, p in enumerate(b.params) if p.grad is None]
-            if b not in self._delayed:
-                self._fresh.update(self.layout[b.index()][i] for i in missing)
-            if len(missing) == len(b.params):
-                b.flat.zero_()  # the usual case: one fill for the whole bucket
-            else:  # only some were set to None: keep the gradients the others hold
-                for i in missing:
-                    b.views[i].zero_()
-            b.zeroed = set(missing)
+        """A missing .grad (None after optimizer.zero_grad()) becomes its zeroed bucket slot. Autograd then adds the
+        gradient into .grad in place, that is into the bucket: nothing to copy in, nothing to copy back out."""
+        for b in self.buckets:
+            for slot in self._zero_missing(b):
+                b.params[slot].grad = b.views[slot]
 
-    def _grad_arriving(self, p, grad):
-        """Runs inside backward just before autograd adds p's gradient into p.grad: a missing .grad becomes the
-        (zeroed) view of p's bucket slot now, not in forward, so that a parameter that backward never reaches
-        keeps .grad None, as under DDP (torch.func.functional_call, gradients autograd leaves undefined)."""
-        if p.grad is None and grad is not None:  # an undefined gradient adds nothing: .grad stays None
-            bucket, slot = self._slot[id(p)]
-            if slot not in bucket.zeroed:  # forward did not zero it (it bypassed the wrapper)
-                bucket.views[slot].zero_()
-            bucket.zeroed.discard(slot)
-            p.grad = bucket.views[slot]
-        return grad
+    def _zero_missing(self, b):
+        missing = [slot for slot, p in enumerate(b.params) if p.grad is None]
+        if len(missing) == len(b.params):
+            b.flat.zero_()  # the usual case: one fill for the whole bucket
+        else:  # only some are None: keep what the others hold
+            for slot in missing:
+                b.views[slot].zero_()
+        return missing
 
     def _on_grad_ready(self, i, p):
         """Runs inside backward, right after autograd added parameter i's gradient into p.grad."""
-        if self.find_unused_parameters and p.grad is not None:  # None: autograd's gradient was undefined
-            self._used[i] = 1  # used since the last sync (no_sync micro-steps count too)
         if not self.require_backward_grad_sync:
             return  # accumulating locally: no communication at all
         self._queue_finish()
-        if self.static_graph and self._syncs == 0:
-            self._hook_counts[i] += 1  # the first backward only counts (reentrant checkpointing fires twice)
-            return
-        if self.static_graph:
-            if self._hook_counts[i] == 0:  # worded as DDP's error, which tools and PyTorch's tests match on
-                raise self._record(RuntimeError(
-                    f"Your training graph has changed in this iteration: {self.names[i]} got a gradient, but none "
-                    "in the first iteration, which static_graph=True takes as the graph of every iteration. Use "
-                    "static_graph=False (with find_unused_parameters=True if parameters go unused)."))
-            self._left[i] -= 1
-            if self._left[i] > 0:
-                return  # this gradient is not complete yet
-        bucket, slot = self._where[i]
-        if bucket.ready[slot]:
-            raise RuntimeError(f"ManualDDP: the gradient of {self.names[i]} became ready twice in one backward "
-                               "(reentrant activation checkpointing of a module also used outside it?). Use "
-                               "torch.utils.checkpoint(..., use_reentrant=False), or static_graph=True.")
-        if not self._rebuilt and (self._syncs == 0 or self.static_graph):
+        if not self._rebuilt:
             self._order.append(i)  # the order in which backward really produces gradients
+        bucket, slot = self._where[i]
         self._mark_ready(bucket, slot)
         self._launch_ready()
 
     def _queue_finish(self):
-        if not self._queued:  # first gradient of this backward: run _finish once the whole backward is done
-            self._queued = self._expect_finish = True
-            self._left = list(self._hook_counts)
+        if not self._queued:  # the first gradient of this backward: run _finish once backward is done
+            self._queued = True
             # The autograd engine's queue_callback is a private API; PyTorch's own DDP relies on it too.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def _mark_ready(self, bucket, slot):
         p, view = bucket.params[slot], bucket.views[slot]
-        if p.grad is None:  # no gradient on this rank (an unused parameter): it counts as zero in the mean
-            self._fresh.add(self.layout[bucket.index()][slot])
-            view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():
-            # Backward did not write into the slot (forward bypassed the wrapper, create_graph=True, or the
-            # user replaced .grad): copy it in.
+        if p.grad.data_ptr() != view.data_ptr():  # backward did not write into the slot (.grad was replaced)
             view.copy_(p.grad)
         p.grad = view
-        bucket.ready[slot] = True
         bucket.pending -= 1
 
     def _launch_ready(self):
-        # Launch strictly in bucket order, on every rank alike: collectives are matched by the order in which
-        # ranks issue them, and gradients may arrive in a different order on different ranks.
+        # Strictly in bucket order, on every rank alike: collectives are matched by the order in which ranks issue
+        # them, and gradients may become ready in a different order on different ranks.
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            b = self.buckets[self._next]
-            # skip_all_reduce_unused_params: a bucket no parameter of which was used here is not sent (every rank
-            # must then skip the same buckets, as DDP requires too).
-            if not (self.skip_all_reduce_unused_params and not self._used[self.layout[b.index()]].any()):
-                self._launch(b)
+            self._launch(self.buckets[self._next])
             self._next += 1
 
     def _launch(self, b):
-        b.set_buffer(b.flat)
-        if self._hook is not None:  # a communication hook decides how to average (it divides, not us)
-            b.future = self._hook[1](self._hook[0], b)
-            return
         # Divide BEFORE the sum, as DDP does: N fp16/bf16 gradients added up could overflow where their mean would
-        # not. One multiply per bucket by 1/N (DDP multiplies too), on data just written, so still in cache.
+        # not. One multiply per bucket by 1/N, on data just written (still in cache).
         if self._divisor > 1:
             b.flat.mul_(1 / self._divisor)
-        # The Work is kept (until this bucket's next all-reduce), not only its future: whoever drops the last
-        # reference to a gloo Work runs its destructor, which needs the GIL (the Work holds Python tensors and the
-        # autograd engine's thread-local Python context). Dropped here at once, the last reference is gloo's
-        # worker thread's; if the interpreter is exiting by the time that thread asks for the GIL, Python ends the
-        # thread inside a noexcept destructor: "terminate called without an active exception" (SIGABRT).
         b.work = dist.all_reduce(b.flat, group=self.process_group, async_op=True)
-        b.future = b.work.get_future()
 
     def _finish(self):
-        """End of backward: flush buckets whose gradients never came, wait for every bucket, clean up."""
+        """End of backward: wait for every bucket's all-reduce. Then each .grad (a view of a bucket) is the mean."""
         self._queued = False
-        self._unreduced = self._missing()
-        for b in self.buckets[self._next:]:
-            for slot, ready in enumerate(b.ready):
-                if not ready:  # unused on this rank (or, with static_graph, the first backward)
-                    self._mark_ready(b, slot)
-        self._launch_ready()
-        if self.find_unused_parameters:
-            # As DDP, for its logging data: is the set of parameters this rank leaves unused the same every time?
-            unused = (self._used == 0).nonzero().flatten().tolist()
-            self._graph_static &= self._syncs == 0 or self.static_graph or unused == self._unused
-            self._unused = unused
-            self._used_work = dist.all_reduce(self._used, group=self.process_group, async_op=True)  # kept: _launch
-            self._used_work.wait()  # which parameters some rank used
-        for b in self.buckets + self._delayed:
-            if b.future is not None:
-                result = b.future.wait()
-                result = result[0] if isinstance(result, list) else result
-                if result.data_ptr() != b.flat.data_ptr():  # a hook may return another tensor: take its values
-                    b.flat.copy_(result)
-            b.ready, b.pending, b.future = [False] * len(b.params), len(b.params), None
-        if self.find_unused_parameters:  # as DDP: a parameter no rank used keeps .grad untouched (None)
-            for i in (self._used == 0).nonzero().flatten().tolist():
-                if i in self._fresh:
-                    self.params[i].grad = None
-            self._used.zero_()
-        for b in self.buckets + self._delayed:
-            b.zeroed = set()
-        self._syncs, self._next, self._expect_finish = self._syncs + 1, 0, False
+        if self._next < len(self.buckets):
+            names = [self.names[i] for b in self.buckets[self._next:] for i in b.indices]
+            raise RuntimeError(f"DDPCore: a parameter got no gradient in this backward (one of {names[:5]}), so "
+                               "its bucket never left. Use ManualDDP(find_unused_parameters=True) for such a model.")
+        for b in self.buckets:
+            self._wait(b)
+            b.pending = len(b.params)
+        self._next = 0
 
-    def _missing(self):
-        """The parameters that DDP would call unreduced at the end of this backward: without
-        find_unused_parameters every one must get a gradient; with static_graph, every one the first backward saw."""
-        if self.find_unused_parameters or (self.static_graph and self._syncs == 0):
-            return []
-        return [i for b in self.buckets for slot, i in enumerate(self.layout[b.index()])
-                if not b.ready[slot] and (not self.static_graph or self._hook_counts[i] > 0)]
+    def _wait(self, b):
+        b.work.wait()
 
-    def _check_prior_reduction(self):
-        """DDP's check before a forward: the last synced backward must have finished, every gradient reduced."""
-        if self._expect_finish:  # that backward raised before its end: its buckets are half done
-            self._unreduced, self._expect_finish, self._queued, self._next = self._missing(), False, False, 0
-            for b in self.buckets + self._delayed:
-                if b.future is not None:
-                    b.future.wait()  # the all-reduces already launched, on every rank alike
-                b.ready, b.pending, b.future = [False] * len(b.params), len(b.params), None
-        if not self._unreduced:
-            return
-        names = ", ".join(self.names[i] for i in self._unreduced)
-        indices = ", ".join(map(str, self._unreduced))
-        rank, self._unreduced = dist.get_rank(self.process_group), []
-        # Worded as DDP's message (tools and PyTorch's own tests match on its phrases), with the names always.
-        if self.static_graph:
-            why = ("This error indicates that your training graph has changed in this iteration, e.g., one parameter "
-                   "is used in first iteration, but then got unused in the second iteration. this is not compatible "
-                   "with static_graph set to True.")
-        else:
-            why = ("Some parameters got no gradient in the last backward that synchronised: enable unused parameter "
-                   "detection by passing the keyword argument `find_unused_parameters=True` to ManualDDP, and make "
-                   "sure all `forward` function outputs participate in calculating loss. (PyTorch's DDP names "
-                   "them only if you set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or "
-                   "DETAIL; ManualDDP always does.)")
-        raise self._record(RuntimeError(
-            f"Expected to have finished reduction in the prior iteration before starting a new one. {why}\n"
-            f"Parameter indices which did not receive grad for rank {rank}: {indices}\n"
-            f"Parameters which did not receive grad for rank {rank}: {names}"))
-
-    def _record(self, error):
-        self._error = str(error)  # for _get_ddp_logging_data, as DDP logs its errors
-        return error
-
-    # -- the buckets' layout, rebuilt once from the observed order --
-    def _set_buckets(self, layout):
-        grads = [p.grad for p in self.params]
-        self.buckets = [_Bucket([self.params[i] for i in idx], k, len(layout)) for k, idx in enumerate(layout)]
-        self.layout = [list(idx) for idx in layout]
-        self._where = [None] * len(self.params)
-        # id(parameter) -> (bucket, slot), for the tensor hooks; the delayed bucket's entries stay as they are.
-        self._slot = {k: v for k, v in getattr(self, "_slot", {}).items() if v[0].index() < 0}
-        for b, idx in zip(self.buckets, layout):
-            for slot, i in enumerate(idx):
-                self._where[i] = (b, slot)
-                self._slot[id(self.params[i])] = (b, slot)
-                if grads[i] is not None:  # carry accumulated gradients over into the new buckets
-                    b.views[slot].copy_(grads[i])
-                    self.params[i].grad = b.views[slot]
-
+    # -- the buckets, cut again once in the order gradients really arrived --
     def _maybe_rebuild(self):
         if self._rebuilt or not self._order:
             return
-        # Ready order as observed, then anything that never fired (unused) in parameter order. Every rank takes
-        # the group's first rank's order: the buckets must be the same everywhere.
-        # (Each index once: with static_graph, more than one backward may run before the rebuilding forward.)
+        # The observed order, each parameter once, then any that never became ready, in parameter order. Every
+        # rank takes the group's first rank's order: the buckets must be the same everywhere.
         order = list(dict.fromkeys(self._order))
-        order += [i for i in range(len(self.params)) if i not in set(order)]
+        seen = set(order)
+        order += [i for i in range(len(self.params)) if i not in seen]
         order = torch.tensor(order, dtype=torch.int64, device=self.device)
         dist.broadcast(order, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
         self._set_buckets(bucket_layout(self.params, order.tolist(), self._caps))
         self._rebuilt = True
 
-    # -- the drop-in surface: constructor checks, no_sync, buffers, communication hooks, join --
-    def _check_device_ids(self, device_ids, output_device, devices):
-        if device_ids is not None and len(device_ids) > 1:
-            raise ValueError("device_ids can only be None or contain a single element.")
-        if not device_ids or self.device.type == "cpu" or len(devices) > 1:
-            if device_ids or output_device is not None:
-                raise ValueError("DistributedDataParallel device_ids and output_device arguments only work with "
-                                 "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
-                                 f"{device_ids}, output_device {output_device}, and module parameters {devices}.")
-            return None, None
-        index = [torch.device(self.device.type, d).index if isinstance(d, int) else torch.device(d).index
-                 for d in device_ids]
-        out = index[0] if output_device is None else torch.device(self.device.type, output_device).index
-        return index, out
-
-    @property
-    def buffers_to_sync(self):
-        """Looked up anew each time: a module may replace its buffers (DDP does the same)."""
-        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
-
-    @property
-    def broadcast_buffers(self):
-        return self.forward_sync_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value):
-        self.forward_sync_buffers = value
-
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally, with no communication; the next synced backward averages the sum."""
+        """Gradient accumulation: backward adds into .grad locally, with no communication; the first backward after
+        the block averages the whole sum."""
         before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
         finally:
             self.require_backward_grad_sync = before
 
-    def will_sync_module_buffers(self):
-        return self.require_forward_param_sync and self.forward_sync_buffers and len(self.buffers_to_sync) > 0
+    def _sync_buffers(self, src=0):
+        """Rank src's buffers to every rank before forward: BatchNorm's statistics, say, stay the same everywhere."""
+        self._broadcast(self.buffers_to_sync, src)
 
     def _broadcast(self, tensors, src):
-        """Broadcast tensors from the group's rank src in few messages, as DDP does: the tensors of one dtype
-        (a flat buffer holds one element type) packed together, up to 250 MiB a message (a large model needs no
-        second full copy of itself)."""
+        """Broadcast from the group's rank src in few messages: the tensors of one dtype and device packed into one
+        flat buffer, up to 250 MiB a message (as DDP: a large model needs no second full copy of itself)."""
         messages = {}
         for t in tensors:
             kind = (t.dtype, t.device)
@@ -534,196 +301,6 @@ class ManualDDP(nn.Module, Joinable):
                 for t, part in zip(group, flat.split([t.numel() for t in group])):
                     t.copy_(part.view_as(t))
 
-    def _sync_buffers(self, joined=False):
-        """Rank 0's buffers (BatchNorm statistics...) to every rank, as DDP does before each forward."""
-        src = 0
-        if self._joining:  # rank 0 may have joined and hold stale buffers: take a rank still training
-            src = self._common_rank(not joined)
-        self._broadcast(self.buffers_to_sync, src)
-
-    def _common_rank(self, candidate):
-        rank = torch.tensor([dist.get_rank(self.process_group) if candidate else -1], device=self.device)
-        dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.process_group)
-        return int(rank.item())
-
-    def _launch_delayed(self, grad):
-        if not self.require_backward_grad_sync:
-            return grad
-        self._queue_finish()
-        bucket = self._delayed[0]
-        bucket.flat.mul_(1 / self._divisor)
-        bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)  # kept: see _launch
-        bucket.future = bucket.work.get_future()
-        return grad
-
-    def register_comm_hook(self, state, hook):
-        """DDP's contract: hook(state, bucket) -> torch.futures.Future[Tensor] with the bucket's averaged values."""
-        if not callable(hook):
-            raise TypeError("Communication hook must be callable.")
-        if self._hook is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-        self._hook = (state, hook)
-
-    # -- pickling (torch.save(ddp_model), copy.deepcopy), as DDP allows it --
-    def __getstate__(self):
-        """As DDP: only with the default group (a process group cannot be pickled: the copy gets the default group
-        back when loaded); the communication hook is not kept (DDP's lives in its C++ reducer and is lost too)."""
-        if self.process_group is not dist.group.WORLD:
-            raise RuntimeError("ManualDDP can be pickled only with the default process group (as DDP): a process "
-                               "group cannot be pickled")
-        state = dict(self.__dict__)
-        del state["process_group"]
-        state.pop("_used_work", None)
-        state["_hook"] = None
-        return state
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self.process_group = dist.group.WORLD
-        # The copy's parameters are new objects: index them again, and give them hooks (tensors are pickled without)
-        self._slot = {id(self.params[i]): where for i, where in enumerate(self._where)}
-        for slot, p in enumerate(self._delayed[0].params if self._delayed else []):
-            self._slot[id(p)] = (self._delayed[0], slot)
-        self._register_autograd_hooks()
-
-    def _get_ddp_logging_data(self):
-        """DDP's summary of itself (private, but Lightning's teardown reads it): the keys DDP fills from its
-        arguments and buckets, from this wrapper's real state. DDP's timings are not measured here, so absent."""
-        data = {
-            "module_name": type(self.module).__name__, "backend_name": dist.get_backend(self.process_group),
-            "world_size": self.world, "rank": dist.get_rank(self.process_group),
-            "device_ids": ", ".join(map(str, self.device_ids or [])),
-            "output_device": -1 if self.output_device is None else self.output_device,
-            "broadcast_buffers": int(self.forward_sync_buffers),
-            "find_unused_parameters": int(self.find_unused_parameters),
-            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
-            "has_sync_bn": int(any(isinstance(m, nn.SyncBatchNorm) for m in self.module.modules())),
-            "is_multi_device_module": 0,
-            "num_parameter_tensors": len(self.params),
-            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in self.params),
-            "dtypes": ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in self.params})),
-            "bucket_cap_bytes": self._caps[-1],
-            "bucket_sizes": self._first_sizes,
-            "has_rebuilt_buckets": int(self._rebuilt and not (self.find_unused_parameters and not self.static_graph)),
-        }
-        if data["has_rebuilt_buckets"]:
-            data["rebuilt_bucket_sizes"] = ", ".join(str(b.flat.numel() * b.flat.element_size()) for b in self.buckets)
-        if self.static_graph:  # these three, as DDP, only once they apply
-            data["static_graph"] = 1
-        if self._joining:
-            data["join_uneven_inputs"] = 1
-        if self._hook is not None:
-            data["comm_hook"] = getattr(self._hook[1], "__qualname__", repr(self._hook[1]))
-        # DDP writes this key while training only once the graph proved dynamic (the set of unused parameters
-        # changed between iterations); a static graph is reported when DDP is destroyed.
-        if not self._graph_static:
-            data["can_set_static_graph"] = 0
-        if self._error is not None:  # as DDP after it raised
-            data.update(iteration=self._syncs, has_error=1, error=self._error)
-        return data
-
-    def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
-        """Uneven inputs: a rank out of data shadows the others' collectives with zeros until all are done."""
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
-
-    def join_hook(self, **kwargs):
-        return _JoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self):
-        return self.device
-
-    @property
-    def join_process_group(self):
-        return self.process_group
-
-    def _check_shapes(self, state):
-        """As DDP: every rank must hold the same tensors (count, shapes, dtypes) before anything is broadcast."""
-        mine = [(tuple(t.shape), str(t.dtype)) for t in state]
-        theirs = [mine]
-        dist.broadcast_object_list(theirs, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
-        differs = torch.tensor([float(theirs[0] != mine)], device=self.device)
-        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=self.process_group)  # all raise, or none
-        if differs.item():
-            raise RuntimeError("DistributedDataParallel: the model differs across ranks (number, shapes or dtypes of "
-                               "its parameters and buffers): build the same model on every rank")
-
-    def _check_identical(self, state):
-        differs = torch.zeros(1, device=self.device)
-        for t in state:
-            ref = t.detach().clone()
-            dist.broadcast(ref, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
-            differs += 0 if torch.equal(ref, t.detach()) else 1
-        # Agree on the verdict first: if only some ranks raised, the others would wait in the next collective.
-        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=self.process_group)
-        if differs.item():
-            raise ValueError("ManualDDP(verify=True): model replicas differ across ranks; seed model creation "
-                             "identically on every rank (torch.manual_seed before building it)")
-
-
-class _JoinHook(JoinHook):
-    """A rank that ran out of data mirrors every collective the others still issue, with zeros for gradients."""
-
-    def __init__(self, ddp, divide_by_initial_world_size):
-        self.ddp = ddp
-        ddp._divide_by_initial, ddp._joining = divide_by_initial_world_size, True  # from here on, as in DDP
-
-    def main_hook(self):
-        ddp = self.ddp
-        flag = torch.zeros(1, device=ddp.device)  # will the others synchronize this backward?
-        dist.all_reduce(flag, group=ddp.process_group)
-        if flag.item():
-            ddp._maybe_rebuild()
-        if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp.buffers_to_sync:
-            ddp._sync_buffers(joined=True)
-        ddp.require_forward_param_sync = bool(flag.item())
-        if not flag.item():
-            return
-        for b in ddp.buckets:
-            b.flat.zero_()
-            ddp._launch(b)
-        for b in ddp.buckets:
-            if b.future is not None:
-                b.future.wait()
-                b.future = None
-        if ddp.find_unused_parameters:
-            dist.all_reduce(torch.zeros_like(ddp._used), group=ddp.process_group)
-        if not ddp._rebuilt and not ddp._order:
-            ddp._order = list(range(len(ddp.params)))  # as DDP: a joined rank offers parameter order
-
-    def post_hook(self, is_last_joiner):
-        """Everyone ends with the model of a rank that trained last."""
-        ddp = self.ddp
-        src = ddp._common_rank(is_last_joiner)
-        params = [p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
-        ddp._broadcast(params + (ddp.buffers_to_sync if ddp.forward_sync_buffers else []), src)
-
-
-def _to_device(obj, device):
-    """The tensors in nested tuples, lists and dicts, moved to device."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
-
-
-def bf16_compress_hook(process_group, bucket):
-    """A DDP communication hook, by hand: each bucket travels as bfloat16, half the bytes of float32.
-
-    Divide first (in float32: a sum of fp16/bf16 gradients could overflow where their mean would not), cast,
-    all-reduce the sum, and cast back into the bucket. Runs on ManualDDP and on PyTorch's DDP alike.
-    """
-    group = process_group or dist.group.WORLD
-    compressed = bucket.buffer().div(group.size()).to(torch.bfloat16)
-    sent = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-
-    def decompress(fut):
-        return bucket.buffer().copy_(fut.value()[0])
-    return sent.then(decompress)
 
 
 def average_gradients(model, world):
@@ -927,10 +504,15 @@ def peak_tflops(args, device):
     return PEAK_TFLOPS.get(name)
 
 
+def ddp_class(args):
+    """--impl manual trains with the core, the class above; a flag that needs DDP's wider surface, with ManualDDP."""
+    return ManualDDP if args.comm_hook != "none" else DDPCore
+
+
 def wrap(model, impl, args, device):
     """The model as each --impl trains it: ours, PyTorch's (same bucket size) or the naive tutorial's."""
-    device_ids = [device.index] if device.type == "cuda" else None
     if impl == "torch":
+        device_ids = [device.index] if device.type == "cuda" else None
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)
         if args.comm_hook == "bf16":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook as library_hook
@@ -940,123 +522,14 @@ def wrap(model, impl, args, device):
                 raise UsageError(f"--impl torch --comm-hook bf16: PyTorch refuses it here ({e})") from None
         return ddp
     if impl == "manual":
-        ddp = ManualDDP(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)
+        ddp = ddp_class(args)(model, bucket_cap_mb=args.bucket_cap_mb)  # the batches are on our device already
         if args.comm_hook == "bf16":
-            ddp.register_comm_hook(None, bf16_compress_hook)  # the hand-written one, above
+            ddp.register_comm_hook(None, bf16_compress_hook)  # the hand-written one, below ManualDDP
         return ddp
     with torch.no_grad():  # naive: start from rank 0's weights, then average after every backward (see train)
         for t in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t, src=0)
     return model
-
-
-# --- checkpoints: the same block in 05, 06 and 08, one contract for every --out ---
-def claim(out, owner):
-    """Global rank 0 takes --out for this run, or every rank stops with one line. Two runs into one --out would
-    overwrite each other: an flock keeps the second out (the kernel drops it when its process dies, even by
-    SIGKILL, so a crash leaves no stale lock). And a run never writes over what another script or another model
-    left: owner.json says who writes here. Returns the open lock file: keep it for the whole run."""
-    lock, error = None, [None]
-    if RANK == 0:
-        os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, ".lock")
-        existed, lock = os.path.exists(path), open(path, "a")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            error[0] = not_ours(out, owner)
-            if error[0] and not existed:  # leave a directory that is not ours as we found it
-                os.remove(path)
-        except BlockingIOError:
-            error[0] = f"--out {out} is in use by another run (it holds {out}/.lock): wait for it or pick another"
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise UsageError(error[0])
-    return lock
-
-
-def not_ours(out, owner):
-    """Why this run must not write into `out` (the files of another script, or of another model), or None."""
-    path = os.path.join(out, "owner.json")
-    if not os.path.exists(path):
-        theirs = sorted(set(os.listdir(out)) - {".lock"})
-        if theirs:
-            return (f"--out {out} holds files that no run of {owner['script']} wrote ({', '.join(theirs[:3])}"
-                    f"{', ...' if len(theirs) > 3 else ''}): pick a new or empty directory")
-        with open(path + ".tmp", "w") as f:
-            json.dump(owner, f, indent=1)
-        os.replace(path + ".tmp", path)
-        return None
-    try:
-        with open(path) as f:
-            theirs = json.load(f)
-    except (OSError, ValueError) as e:
-        return f"{path} does not load ({type(e).__name__}): pick another --out"
-    if theirs.get("script") != owner["script"]:
-        return f"--out {out} belongs to {theirs.get('script')} (its {path}): pick another --out"
-    for key, value in owner.items():
-        if theirs.get(key) != value:
-            return (f"--out {out} holds a model with {key} {theirs.get(key)}, this run has {value}: use the "
-                    "flags that wrote it, or another --out")
-    return None
-
-
-def checkpoints(out):
-    """The checkpoint-STEP directories in ``out``, oldest first."""
-    names = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()]
-    return sorted(names, key=lambda d: int(d.split("-")[1]))
-
-
-def resume_state(out):
-    """(path, state) of the newest checkpoint in --out that loads, on every rank; (None, None) if there is none.
-
-    Global rank 0 chooses and tells the others, so that all resume from the same step. A checkpoint that does not
-    load (a disk fault, a copy cut short) is skipped with a warning and kept, renamed out of the way of the saves
-    and their pruning. Mapped, not read: a rank reads only the pages of what it uses. Called before the model and
-    data are built, so that a rank that cannot read it stops the run at once, not minutes later.
-    """
-    state, choice = None, [None]
-    names = checkpoints(out) if RANK == 0 and out and os.path.isdir(out) else []
-    for name in reversed(names):
-        try:
-            state = torch.load(os.path.join(out, name, "state.pt"), map_location="cpu", weights_only=True, mmap=True)
-            choice[0] = os.path.join(out, name)
-            break
-        except Exception as e:
-            kept = f"{os.path.join(out, name)}.damaged-{int(time.time())}"
-            os.replace(os.path.join(out, name), kept)
-            print0(f"warning: skipped {os.path.join(out, name)}: it does not load ({type(e).__name__}); kept as {kept}")
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return None, None
-    error = None
-    if RANK != 0:  # on several nodes every rank must see rank 0's --out (a shared filesystem)
-        try:
-            state = torch.load(os.path.join(choice[0], "state.pt"), map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:
-            error = f"rank {RANK} cannot read {choice[0]} ({type(e).__name__}): every node must see rank 0's --out"
-    errors = [None] * WORLD
-    dist.all_gather_object(errors, error)  # all stop together, none left waiting in a collective
-    if any(errors):
-        raise UsageError(next(e for e in errors if e))
-    return choice[0], state
-
-
-def save_checkpoint(out, step, state, keep):
-    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it).
-
-    Written into a temporary directory, fsynced, then renamed: a crash mid-write leaves the previous
-    checkpoint intact and never a half-written one under a checkpoint-STEP name.
-    """
-    final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
-    os.makedirs(tmp, exist_ok=True)
-    with open(os.path.join(tmp, "state.pt"), "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    # Prune: the newest `keep` checkpoints stay, and so does nothing a crash may have left half-written.
-    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-checkpoint-")]:
-        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
 
 
 # --- training ---
@@ -1226,8 +699,9 @@ def main(args):
         args.precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     if device.type == "cuda":  # TF32 matmuls: float32's range, 10-bit mantissa, tensor-core speed
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} impl={args.impl} "
-           f"precision={args.precision} torch={torch.__version__}")
+    wrapper = {"manual": ddp_class(args).__name__, "torch": "DistributedDataParallel", "naive": "average_gradients"}
+    print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} "
+           f"impl={args.impl} ({wrapper[args.impl]}) precision={args.precision} torch={torch.__version__}")
     # What makes a checkpoint in --out fit this run: the model, and the shape of the default one.
     owner = {"script": os.path.basename(__file__), "model": args.model or "GPT-2 from scratch"}
     if not args.model:
@@ -1242,6 +716,662 @@ def main(args):
         lock.close()
 
 
+
+# --- the drop-in surface: ManualDDP, the core with PyTorch's DDP arguments and API ---
+def _let_gloo_threads_finish():
+    """At exit, while the interpreter is still whole: give up the GIL a moment, so that a gloo worker thread that
+    still has to free a Work (its destructor takes the GIL) does it now, not during finalisation (SIGABRT)."""
+    time.sleep(0.05)
+
+
+class _GradBucket(Bucket):
+    """A core bucket that also answers what a DDP communication hook asks of torch.distributed.GradBucket."""
+
+    def __init__(self, params, indices):
+        super().__init__(params, indices)
+        self._buffer, self._index, self._count = self.flat, -1, 0  # index and count: ManualDDP._set_buckets
+        self.ready = [False] * len(params)  # slots done in this backward (unused ones are flushed at its end)
+        self.zeroed = set()  # slots zeroed in forward for a gradient still to come (ManualDDP._grad_arriving)
+        self.future = None  # what _finish waits for: the all-reduce's future, or the communication hook's
+
+    def __getstate__(self):  # a copy of the wrapper has no message in flight
+        return {**self.__dict__, "work": None, "future": None}
+
+    def buffer(self):
+        return self._buffer
+
+    def set_buffer(self, tensor):
+        self._buffer = tensor
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._index == self._count - 1
+
+    def parameters(self):
+        return self.params
+
+    def gradients(self):
+        offsets = itertools.accumulate([p.numel() for p in self.params], initial=0)
+        return [self._buffer[o:o + p.numel()].view_as(p) for o, p in zip(offsets, self.params)]
+
+
+class ManualDDP(DDPCore, Joinable):
+    """torch.nn.parallel.DistributedDataParallel by hand: DDPCore plus what code written for PyTorch's class uses.
+
+    Takes DDP's arguments, with DDP's defaults and meanings. Where the design makes one moot, it says so here:
+    gradients always live in the buckets, so gradient_as_bucket_view and batched_grad_copy change nothing
+    (the mean is taken as DDP's default path takes it: times 1/N); dim and check_reduction are unused, as in DDP
+    for one device per process; mixed_precision (DDP's experimental, private _MixedPrecision) is not
+    implemented: use torch.autocast. Ours: verify=True checks the replicas are identical instead of broadcasting.
+    Everything here extends the core through the methods it calls: each override adds its part and calls the
+    core's, but for four that replace a piece outright: buffers_to_sync (less the names DDP ignores),
+    _sync_module_states (init_sync, verify), _grads_into_buckets (a .grad given only when its gradient comes)
+    and _wait (a communication hook's future). Why each matches DDP the way it does: docs/manual_ddp.md.
+    """
+
+    bucket_class = _GradBucket
+
+    def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None, init_sync=True,
+                 process_group=None, bucket_cap_mb=None, find_unused_parameters=False, check_reduction=False,
+                 gradient_as_bucket_view=False, static_graph=False, delay_all_reduce_named_params=None,
+                 param_to_hook_all_reduce=None, mixed_precision=None, device_mesh=None,
+                 skip_all_reduce_unused_params=False, bucket_cap_mb_list=None, batched_grad_copy=False,
+                 forward_sync_buffers=None, *, verify=False):
+        if mixed_precision is not None:
+            raise NotImplementedError("ManualDDP has no mixed_precision=: use torch.autocast around forward")
+        if process_group is not None and device_mesh is not None:
+            raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+        if device_mesh is not None and device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+            raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set together.")
+        for cap in [bucket_cap_mb] + list(bucket_cap_mb_list or []):
+            if cap is not None and not cap > 0:
+                raise ValueError(f"bucket sizes must be positive, got {cap}")
+        if broadcast_buffers is not None:  # deprecated in DDP 2.14, which warns the same way
+            warnings.warn("broadcast_buffers is deprecated: use forward_sync_buffers"
+                          + (" (broadcast_buffers is ignored when both are given)" if forward_sync_buffers is not None
+                             else "; note that forward_sync_buffers=False still broadcasts buffers at construction"),
+                          FutureWarning, stacklevel=2)
+        Joinable.__init__(self)
+        atexit.unregister(_let_gloo_threads_finish)  # once per process, however many wrappers
+        atexit.register(_let_gloo_threads_finish)
+        # The options first: the core's constructor calls the methods below that read them (all plain values,
+        # which an nn.Module accepts before its __init__).
+        self.static_graph, self.find_unused_parameters = static_graph, find_unused_parameters
+        self._init_sync, self._verify, self._cap_list = init_sync, verify, bucket_cap_mb_list
+        # As in DDP 2.14: forward_sync_buffers, if given, wins (and buffers are broadcast at construction); else
+        # broadcast_buffers (default True) rules both the broadcast at construction and the one before every forward.
+        self._init_sync_buffers = forward_sync_buffers is not None or broadcast_buffers is not False
+        if forward_sync_buffers is None:
+            forward_sync_buffers = broadcast_buffers is not False
+        # Names DDP leaves alone: those the model lists (DDP._set_params_and_buffers_to_ignore_for_model), and the
+        # delayed parameters, which travel on their own: one bucket, sent when param_to_hook_all_reduce's gradient
+        # is computed (for parameters another parallelism treats first). The trigger is kept in a tuple: as an
+        # attribute of its own it would join the wrapper's parameters (and its state_dict), which DDP's does not.
+        delayed = dict(delay_all_reduce_named_params or [])
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | set(delayed)
+        self._delayed = [_GradBucket(list(delayed.values()), [])] if delayed else []  # zero or one bucket
+        self._delay_trigger = (param_to_hook_all_reduce,) if delayed else ()
+        trained = [p for n, p in module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
+        devices = {p.device for p in trained + list(delayed.values())}
+        self.device_ids, self.output_device = self._check_device_ids(device_ids, output_device, devices)
+        group = device_mesh.get_group(0) if device_mesh is not None else process_group
+        super().__init__(module, group, bucket_cap_mb, forward_sync_buffers)
+        if device_mesh is not None:
+            self.device_mesh = device_mesh  # as DDP: set only when given
+        self.dim, self.gradient_as_bucket_view = dim, gradient_as_bucket_view
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self._first_sizes = ", ".join(str(b.flat.numel() * b.flat.element_size()) for b in self.buckets)
+        self._rebuilt = find_unused_parameters and not static_graph  # never rebuilt then
+        self._syncs, self._hook = 0, None  # synced backwards so far; the communication hook
+        self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
+        self._unused, self._graph_static = [], True  # find_unused_parameters: for _get_ddp_logging_data
+        self._hook_counts = [0] * len(self.params)  # static_graph: hooks per parameter seen in the first backward
+        self._divide_by_initial, self._fresh, self._joining = True, set(), False
+        # A synced backward that never reached _finish (it raised), or parameters left without a gradient: DDP's
+        # errors at the next forward, and the last one for _get_ddp_logging_data.
+        self._expect_finish, self._unreduced, self._error = False, [], None
+
+    # -- the core's extension points --
+    def _parameters_to_sync(self):
+        named = [(n, p) for n, p in super()._parameters_to_sync() if n not in self.parameters_to_ignore]
+        if not self._delayed and not any(p.requires_grad for _, p in named):
+            raise RuntimeError(NOTHING_TO_AVERAGE)
+        return named
+
+    @property
+    def buffers_to_sync(self):
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
+    def _sync_module_states(self, params):
+        state = params + (self.buffers_to_sync if self._init_sync_buffers else [])
+        delayed = self._delayed[0].params if self._delayed else []
+        if self._init_sync or self._verify:
+            self._check_shapes(state)
+        if self._verify:
+            self._check_identical(state + delayed)
+            return
+        if delayed:  # sent even without init_sync, as DDP does
+            self._broadcast(delayed, src=0)
+        if self._init_sync and self.params:  # DDP skips it when every trained parameter is delayed
+            self._broadcast(state, src=0)
+
+    def _bucket_caps(self, bucket_cap_mb):
+        """bucket_cap_mb_list caps each bucket in turn. With find_unused_parameters the graph may change from one
+        iteration to the next, so DDP cuts the buckets by size at once (small first one included) and keeps them."""
+        first, caps = super()._bucket_caps(bucket_cap_mb)
+        if self._cap_list:
+            caps = [int(c * (1 << 20)) for c in self._cap_list]
+            return caps, caps
+        if self.find_unused_parameters and not self.static_graph:
+            return caps, caps
+        return first, caps
+
+    def _set_buckets(self, layout):
+        super()._set_buckets(layout)
+        for k, b in enumerate(self.buckets):  # what a communication hook reads: bucket.index(), is_last()
+            b._index, b._count = k, len(self.buckets)
+        self._index_slots()
+
+    def _index_slots(self):
+        # id(parameter) -> (bucket, slot), for the tensor hooks, which get the parameter, not its index
+        self._slot = {id(p): (b, slot) for b in self.buckets + self._delayed for slot, p in enumerate(b.params)}
+
+    def _register_hooks(self):
+        super()._register_hooks()
+        me = weakref.ref(self)
+        for p in self.params + (self._delayed[0].params if self._delayed else []):
+            p.register_hook(functools.partial(_call, me, "_grad_arriving", p))
+        for p in self._delay_trigger:
+            p.register_hook(functools.partial(_call, me, "_launch_delayed"))
+
+    def forward(self, *inputs, **kwargs):
+        notified = Join.notify_join_context(self)  # inside join(): an all-reduce counting the ranks still training
+        if notified is not None:  # as DDP, each iteration: the initial world size, or the ranks still training
+            self._divisor = self.world if self._divide_by_initial else int(notified.get_future().wait()[0].item())
+        if self._joining:  # tell ranks that have joined whether this backward will communicate
+            dist.all_reduce(torch.tensor([float(self.require_backward_grad_sync)], device=self.device),
+                            group=self.process_group, async_op=True)
+        if torch.is_grad_enabled():
+            self._check_prior_reduction()
+        if self.device_ids:  # as DDP: inputs move to this process's GPU
+            inputs, kwargs = _to_device((inputs, kwargs), torch.device(self.device.type, self.device_ids[0]))
+        return super().forward(*inputs, **kwargs)
+
+    def _grads_into_buckets(self):
+        """Unlike the core, a missing .grad becomes its (zeroed) slot only when its gradient arrives
+        (_grad_arriving): a parameter that backward never reaches keeps .grad None, as under DDP."""
+        for b in self.buckets + self._delayed:
+            b.zeroed = set(self._zero_missing(b))
+        # The parameters whose .grad this forward created (find_unused_parameters: None again if no rank used them)
+        self._fresh = {b.indices[slot] for b in self.buckets for slot in b.zeroed}
+
+    def _grad_arriving(self, p, grad):
+        """A tensor hook: runs just before autograd adds p's gradient into p.grad."""
+        if p.grad is None and grad is not None:  # an undefined gradient adds nothing: .grad stays None
+            bucket, slot = self._slot[id(p)]
+            if slot not in bucket.zeroed:  # forward did not zero it (it bypassed the wrapper)
+                bucket.views[slot].zero_()
+            bucket.zeroed.discard(slot)
+            p.grad = bucket.views[slot]
+        return grad
+
+    def _on_grad_ready(self, i, p):
+        if self.find_unused_parameters and p.grad is not None:  # None: autograd's gradient was undefined
+            self._used[i] = 1  # used since the last sync (no_sync micro-steps count too)
+        if self.static_graph and self.require_backward_grad_sync:
+            self._queue_finish()
+            if self._syncs == 0:
+                self._hook_counts[i] += 1  # the first backward only counts (reentrant checkpointing fires twice)
+                return
+            if self._hook_counts[i] == 0:  # worded as DDP's error, which tools and PyTorch's tests match on
+                raise self._record(RuntimeError(
+                    f"Your training graph has changed in this iteration: {self.names[i]} got a gradient, but none "
+                    "in the first iteration, which static_graph=True takes as the graph of every iteration. Use "
+                    "static_graph=False (with find_unused_parameters=True if parameters go unused)."))
+            self._left[i] -= 1
+            if self._left[i] > 0:
+                return  # this gradient is not complete yet
+        super()._on_grad_ready(i, p)
+
+    def _queue_finish(self):
+        if not self._queued:
+            self._expect_finish = True
+            self._left = list(self._hook_counts)
+        super()._queue_finish()
+
+    def _mark_ready(self, bucket, slot):
+        p, i = bucket.params[slot], bucket.indices[slot]
+        if bucket.ready[slot]:
+            raise RuntimeError(f"ManualDDP: the gradient of {self.names[i]} became ready twice in one backward "
+                               "(reentrant activation checkpointing of a module also used outside it?). Use "
+                               "torch.utils.checkpoint(..., use_reentrant=False), or static_graph=True.")
+        if p.grad is None:  # no gradient on this rank (an unused parameter): it counts as zero in the mean
+            self._fresh.add(i)
+            bucket.views[slot].zero_()
+            p.grad = bucket.views[slot]
+        bucket.ready[slot] = True
+        super()._mark_ready(bucket, slot)
+
+    def _launch(self, b):
+        # skip_all_reduce_unused_params: a bucket no parameter of which was used here is not sent (every rank must
+        # then skip the same buckets, as DDP requires too).
+        if self.skip_all_reduce_unused_params and not self._used[b.indices].any():
+            return
+        b.set_buffer(b.flat)
+        if self._hook is not None:  # a communication hook decides how to average (it divides, not us)
+            b.future = self._hook[1](self._hook[0], b)
+            return
+        super()._launch(b)
+        b.future = b.work.get_future()
+
+    def _finish(self):
+        self._unreduced = self._missing()
+        for b in self.buckets[self._next:]:  # a gradient that never came (unused here, or static_graph's first
+            for slot, ready in enumerate(b.ready):  # backward) counts as zero: every bucket leaves, on every rank
+                if not ready:
+                    self._mark_ready(b, slot)
+        self._launch_ready()
+        if self.find_unused_parameters:
+            # As DDP, for its logging data: is the set of parameters this rank leaves unused the same every time?
+            unused = (self._used == 0).nonzero().flatten().tolist()
+            self._graph_static &= self._syncs == 0 or self.static_graph or unused == self._unused
+            self._unused = unused
+            self._used_work = dist.all_reduce(self._used, group=self.process_group, async_op=True)  # kept: Bucket
+            self._used_work.wait()  # which parameters some rank used
+        super()._finish()
+        for b in self._delayed:
+            self._wait(b)
+        if self.find_unused_parameters:  # as DDP: a parameter no rank used keeps .grad untouched (None)
+            for i in (self._used == 0).nonzero().flatten().tolist():
+                if i in self._fresh:
+                    self.params[i].grad = None
+            self._used.zero_()
+        for b in self.buckets + self._delayed:
+            b.ready, b.zeroed = [False] * len(b.params), set()
+        self._syncs, self._expect_finish = self._syncs + 1, False
+
+    def _wait(self, b):
+        if b.future is None:
+            return  # not sent (skip_all_reduce_unused_params)
+        result = b.future.wait()
+        result = result[0] if isinstance(result, list) else result
+        if result.data_ptr() != b.flat.data_ptr():  # a hook may return another tensor: take its values
+            b.flat.copy_(result)
+        b.future = None
+
+    def _sync_buffers(self, src=0):
+        if self._joining:  # rank 0 may have joined and hold stale buffers: take a rank still training
+            src = self._common_rank(True)
+        super()._sync_buffers(src)
+
+    # -- DDP's errors for a parameter without a gradient --
+    def _missing(self):
+        """The parameters that DDP would call unreduced at the end of this backward: without
+        find_unused_parameters every one must get a gradient; with static_graph, every one the first backward saw."""
+        if self.find_unused_parameters or (self.static_graph and self._syncs == 0):
+            return []
+        return [i for b in self.buckets for slot, i in enumerate(b.indices)
+                if not b.ready[slot] and (not self.static_graph or self._hook_counts[i] > 0)]
+
+    def _check_prior_reduction(self):
+        """DDP's check before a forward: the last synced backward must have finished, every gradient reduced."""
+        if self._expect_finish:  # that backward raised before its end: its buckets are half done
+            self._unreduced, self._expect_finish, self._queued, self._next = self._missing(), False, False, 0
+            for b in self.buckets + self._delayed:
+                if b.future is not None:
+                    b.future.wait()  # the all-reduces already launched, on every rank alike
+                b.ready, b.pending, b.future = [False] * len(b.params), len(b.params), None
+        if not self._unreduced:
+            return
+        names = ", ".join(self.names[i] for i in self._unreduced)
+        indices = ", ".join(map(str, self._unreduced))
+        rank, self._unreduced = dist.get_rank(self.process_group), []
+        # Worded as DDP's message (tools and PyTorch's own tests match on its phrases), with the names always.
+        if self.static_graph:
+            why = ("This error indicates that your training graph has changed in this iteration, e.g., one parameter "
+                   "is used in first iteration, but then got unused in the second iteration. this is not compatible "
+                   "with static_graph set to True.")
+        else:
+            why = ("Some parameters got no gradient in the last backward that synchronised: enable unused parameter "
+                   "detection by passing the keyword argument `find_unused_parameters=True` to ManualDDP, and make "
+                   "sure all `forward` function outputs participate in calculating loss. (PyTorch's DDP names "
+                   "them only if you set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or "
+                   "DETAIL; ManualDDP always does.)")
+        raise self._record(RuntimeError(
+            f"Expected to have finished reduction in the prior iteration before starting a new one. {why}\n"
+            f"Parameter indices which did not receive grad for rank {rank}: {indices}\n"
+            f"Parameters which did not receive grad for rank {rank}: {names}"))
+
+    def _record(self, error):
+        self._error = str(error)  # for _get_ddp_logging_data, as DDP logs its errors
+        return error
+
+    # -- DDP's constructor checks, buffers, communication hooks, join --
+    def _check_device_ids(self, device_ids, output_device, devices):
+        if device_ids is not None and len(device_ids) > 1:
+            raise ValueError("device_ids can only be None or contain a single element.")
+        kind = next(iter(devices)).type if len(devices) == 1 else None  # one device: "cuda", say, or "cpu"
+        if not device_ids or kind in (None, "cpu"):
+            if device_ids or output_device is not None:
+                raise ValueError("DistributedDataParallel device_ids and output_device arguments only work with "
+                                 "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
+                                 f"{device_ids}, output_device {output_device}, and module parameters {devices}.")
+            return None, None
+        index = [torch.device(kind, d).index if isinstance(d, int) else torch.device(d).index for d in device_ids]
+        out = index[0] if output_device is None else torch.device(kind, output_device).index
+        return index, out
+
+    @property
+    def broadcast_buffers(self):
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value):
+        self.forward_sync_buffers = value
+
+    def will_sync_module_buffers(self):
+        return self.require_forward_param_sync and self.forward_sync_buffers and len(self.buffers_to_sync) > 0
+
+    def _common_rank(self, candidate):
+        rank = torch.tensor([dist.get_rank(self.process_group) if candidate else -1], device=self.device)
+        dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.process_group)
+        return int(rank.item())
+
+    def _launch_delayed(self, grad):
+        if not self.require_backward_grad_sync:
+            return grad
+        self._queue_finish()
+        bucket = self._delayed[0]
+        bucket.flat.mul_(1 / self._divisor)
+        bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)  # kept: see Bucket.work
+        bucket.future = bucket.work.get_future()
+        return grad
+
+    def register_comm_hook(self, state, hook):
+        """DDP's contract: hook(state, bucket) -> torch.futures.Future[Tensor] with the bucket's averaged values."""
+        if not callable(hook):
+            raise TypeError("Communication hook must be callable.")
+        if self._hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self._hook = (state, hook)
+
+    # -- pickling (torch.save(ddp_model), copy.deepcopy), as DDP allows it --
+    def __getstate__(self):
+        """As DDP: only with the default group (a process group cannot be pickled: the copy gets the default group
+        back when loaded); the communication hook is not kept (DDP's lives in its C++ reducer and is lost too)."""
+        if self.process_group is not dist.group.WORLD:
+            raise RuntimeError("ManualDDP can be pickled only with the default process group (as DDP): a process "
+                               "group cannot be pickled")
+        state = dict(self.__dict__)
+        del state["process_group"]
+        state.pop("_used_work", None)
+        state["_hook"] = None
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.process_group = dist.group.WORLD
+        # The copy's parameters are new objects: index them again, and give them hooks (tensors are pickled without)
+        self._index_slots()
+        self._register_hooks()
+
+    def _get_ddp_logging_data(self):
+        """DDP's summary of itself (private, but Lightning's teardown reads it): the keys DDP fills from its
+        arguments and buckets, from this wrapper's real state. DDP's timings are not measured here, so absent."""
+        data = {
+            "module_name": type(self.module).__name__, "backend_name": dist.get_backend(self.process_group),
+            "world_size": self.world, "rank": dist.get_rank(self.process_group),
+            "device_ids": ", ".join(map(str, self.device_ids or [])),
+            "output_device": -1 if self.output_device is None else self.output_device,
+            "broadcast_buffers": int(self.forward_sync_buffers),
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "has_sync_bn": int(any(isinstance(m, nn.SyncBatchNorm) for m in self.module.modules())),
+            "is_multi_device_module": 0,
+            "num_parameter_tensors": len(self.params),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in self.params),
+            "dtypes": ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in self.params})),
+            "bucket_cap_bytes": self._caps[-1],
+            "bucket_sizes": self._first_sizes,
+            "has_rebuilt_buckets": int(self._rebuilt and not (self.find_unused_parameters and not self.static_graph)),
+        }
+        if data["has_rebuilt_buckets"]:
+            data["rebuilt_bucket_sizes"] = ", ".join(str(b.flat.numel() * b.flat.element_size()) for b in self.buckets)
+        if self.static_graph:  # these three, as DDP, only once they apply
+            data["static_graph"] = 1
+        if self._joining:
+            data["join_uneven_inputs"] = 1
+        if self._hook is not None:
+            data["comm_hook"] = getattr(self._hook[1], "__qualname__", repr(self._hook[1]))
+        # DDP writes this key while training only once the graph proved dynamic (the set of unused parameters
+        # changed between iterations); a static graph is reported when DDP is destroyed.
+        if not self._graph_static:
+            data["can_set_static_graph"] = 0
+        if self._error is not None:  # as DDP after it raised
+            data.update(iteration=self._syncs, has_error=1, error=self._error)
+        return data
+
+    def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
+        """Uneven inputs: a rank out of data shadows the others' collectives with zeros until all are done."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs):
+        return _JoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self):
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
+
+    def _check_shapes(self, state):
+        """As DDP: every rank must hold the same tensors (count, shapes, dtypes) before anything is broadcast."""
+        mine = [(tuple(t.shape), str(t.dtype)) for t in state]
+        theirs = [mine]
+        dist.broadcast_object_list(theirs, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        differs = torch.tensor([float(theirs[0] != mine)], device=self.device)
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=self.process_group)  # all raise, or none
+        if differs.item():
+            raise RuntimeError("DistributedDataParallel: the model differs across ranks (number, shapes or dtypes of "
+                               "its parameters and buffers): build the same model on every rank")
+
+    def _check_identical(self, state):
+        differs = torch.zeros(1, device=self.device)
+        for t in state:
+            ref = t.detach().clone()
+            dist.broadcast(ref, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+            differs += 0 if torch.equal(ref, t.detach()) else 1
+        # Agree on the verdict first: if only some ranks raised, the others would wait in the next collective.
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=self.process_group)
+        if differs.item():
+            raise ValueError("ManualDDP(verify=True): model replicas differ across ranks; seed model creation "
+                             "identically on every rank (torch.manual_seed before building it)")
+
+
+class _JoinHook(JoinHook):
+    """A rank that ran out of data mirrors every collective the others still issue, with zeros for gradients."""
+
+    def __init__(self, ddp, divide_by_initial_world_size):
+        self.ddp = ddp
+        ddp._divide_by_initial, ddp._joining = divide_by_initial_world_size, True  # from here on, as in DDP
+
+    def main_hook(self):
+        ddp = self.ddp
+        flag = torch.zeros(1, device=ddp.device)  # will the others synchronize this backward?
+        dist.all_reduce(flag, group=ddp.process_group)
+        if flag.item():
+            ddp._maybe_rebuild()
+        if ddp.require_forward_param_sync and ddp.forward_sync_buffers and ddp.buffers_to_sync:
+            ddp._broadcast(ddp.buffers_to_sync, ddp._common_rank(False))  # the ranks training take the same
+        ddp.require_forward_param_sync = bool(flag.item())
+        if not flag.item():
+            return
+        for b in ddp.buckets:
+            b.flat.zero_()
+            ddp._launch(b)
+        for b in ddp.buckets:
+            if b.future is not None:
+                b.future.wait()
+                b.future = None
+        if ddp.find_unused_parameters:
+            dist.all_reduce(torch.zeros_like(ddp._used), group=ddp.process_group)
+        if not ddp._rebuilt and not ddp._order:
+            ddp._order = list(range(len(ddp.params)))  # as DDP: a joined rank offers parameter order
+
+    def post_hook(self, is_last_joiner):
+        """Everyone ends with the model of a rank that trained last."""
+        ddp = self.ddp
+        src = ddp._common_rank(is_last_joiner)
+        params = [p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
+        ddp._broadcast(params + (ddp.buffers_to_sync if ddp.forward_sync_buffers else []), src)
+
+
+
+def _to_device(obj, device):
+    """The tensors in nested tuples, lists and dicts, moved to device."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def bf16_compress_hook(process_group, bucket):
+    """A DDP communication hook, by hand: each bucket travels as bfloat16, half the bytes of float32.
+
+    Divide first (in float32: a sum of fp16/bf16 gradients could overflow where their mean would not), cast,
+    all-reduce the sum, and cast back into the bucket. Runs on ManualDDP and on PyTorch's DDP alike.
+    """
+    group = process_group or dist.group.WORLD
+    compressed = bucket.buffer().div(group.size()).to(torch.bfloat16)
+    sent = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut):
+        return bucket.buffer().copy_(fut.value()[0])
+    return sent.then(decompress)
+
+
+
+
+# --- checkpoints: the same block in 05, 06 and 08, one contract for every --out ---
+def claim(out, owner):
+    """Global rank 0 takes --out for this run, or every rank stops with one line. Two runs into one --out would
+    overwrite each other: an flock keeps the second out (the kernel drops it when its process dies, even by
+    SIGKILL, so a crash leaves no stale lock). And a run never writes over what another script or another model
+    left: owner.json says who writes here. Returns the open lock file: keep it for the whole run."""
+    lock, error = None, [None]
+    if RANK == 0:
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, ".lock")
+        existed, lock = os.path.exists(path), open(path, "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            error[0] = not_ours(out, owner)
+            if error[0] and not existed:  # leave a directory that is not ours as we found it
+                os.remove(path)
+        except BlockingIOError:
+            error[0] = f"--out {out} is in use by another run (it holds {out}/.lock): wait for it or pick another"
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UsageError(error[0])
+    return lock
+
+
+def not_ours(out, owner):
+    """Why this run must not write into `out` (the files of another script, or of another model), or None."""
+    path = os.path.join(out, "owner.json")
+    if not os.path.exists(path):
+        theirs = sorted(set(os.listdir(out)) - {".lock"})
+        if theirs:
+            return (f"--out {out} holds files that no run of {owner['script']} wrote ({', '.join(theirs[:3])}"
+                    f"{', ...' if len(theirs) > 3 else ''}): pick a new or empty directory")
+        with open(path + ".tmp", "w") as f:
+            json.dump(owner, f, indent=1)
+        os.replace(path + ".tmp", path)
+        return None
+    try:
+        with open(path) as f:
+            theirs = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{path} does not load ({type(e).__name__}): pick another --out"
+    if theirs.get("script") != owner["script"]:
+        return f"--out {out} belongs to {theirs.get('script')} (its {path}): pick another --out"
+    for key, value in owner.items():
+        if theirs.get(key) != value:
+            return (f"--out {out} holds a model with {key} {theirs.get(key)}, this run has {value}: use the "
+                    "flags that wrote it, or another --out")
+    return None
+
+
+def checkpoints(out):
+    """The checkpoint-STEP directories in ``out``, oldest first."""
+    names = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()]
+    return sorted(names, key=lambda d: int(d.split("-")[1]))
+
+
+def resume_state(out):
+    """(path, state) of the newest checkpoint in --out that loads, on every rank; (None, None) if there is none.
+
+    Global rank 0 chooses and tells the others, so that all resume from the same step. A checkpoint that does not
+    load (a disk fault, a copy cut short) is skipped with a warning and kept, renamed out of the way of the saves
+    and their pruning. Mapped, not read: a rank reads only the pages of what it uses. Called before the model and
+    data are built, so that a rank that cannot read it stops the run at once, not minutes later.
+    """
+    state, choice = None, [None]
+    names = checkpoints(out) if RANK == 0 and out and os.path.isdir(out) else []
+    for name in reversed(names):
+        try:
+            state = torch.load(os.path.join(out, name, "state.pt"), map_location="cpu", weights_only=True, mmap=True)
+            choice[0] = os.path.join(out, name)
+            break
+        except Exception as e:
+            kept = f"{os.path.join(out, name)}.damaged-{int(time.time())}"
+            os.replace(os.path.join(out, name), kept)
+            print0(f"warning: skipped {os.path.join(out, name)}: it does not load ({type(e).__name__}); kept as {kept}")
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None, None
+    error = None
+    if RANK != 0:  # on several nodes every rank must see rank 0's --out (a shared filesystem)
+        try:
+            state = torch.load(os.path.join(choice[0], "state.pt"), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            error = f"rank {RANK} cannot read {choice[0]} ({type(e).__name__}): every node must see rank 0's --out"
+    errors = [None] * WORLD
+    dist.all_gather_object(errors, error)  # all stop together, none left waiting in a collective
+    if any(errors):
+        raise UsageError(next(e for e in errors if e))
+    return choice[0], state
+
+
+def save_checkpoint(out, step, state, keep):
+    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it).
+
+    Written into a temporary directory, fsynced, then renamed: a crash mid-write leaves the previous
+    checkpoint intact and never a half-written one under a checkpoint-STEP name.
+    """
+    final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, "state.pt"), "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    # Prune: the newest `keep` checkpoints stay, and so does nothing a crash may have left half-written.
+    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-checkpoint-")]:
+        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+
+
+# --- command line ---
 def parse_args(argv=None):
     p = parser(__doc__, timeout_s=300)
     count, positive, at_least_0 = number(int, 1), number(float, 0, above=True), number(float, 0)

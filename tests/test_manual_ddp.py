@@ -27,3 +27,27 @@ def test_drop_in_for_ddp_and_bit_identical_on_4_3_and_2_ranks():
     res = launch.run(launch.torchrun_cmd("tests/workers/dropin_worker.py", 4), timeout=300)
     assert not res.timed_out and res.returncode == 0, res.output
     assert res.ok_line() and "bit-identical at every step on 4, a group of 3 and 2 ranks" in res.ok_line(), res.output
+
+
+def test_the_core_comes_first_and_the_drop_in_extends_it():
+    """05 opens on DDPCore, a class of about 200 lines, within its first ~130 lines; ManualDDP, defined after the
+    training code, is its subclass and overrides the core's methods by calling them (four replace a piece); the
+    README states the core's real size."""
+    import ast
+    tree = ast.parse((launch.REPO / "05_manual_ddp_gpt2.py").read_text())
+    top = {n.name: n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    core, manual = top["DDPCore"], top["ManualDDP"]
+    size = core.end_lineno - core.lineno + 1
+    assert core.lineno <= 130 and size <= 220, (core.lineno, size)
+    assert [b.id for b in manual.bases] == ["DDPCore", "Joinable"]
+    assert manual.lineno > top["train"].lineno and manual.lineno > top["main"].lineno
+    core_methods = {n.name for n in core.body if isinstance(n, ast.FunctionDef)}
+    swapped = set()
+    for method in manual.body:
+        if isinstance(method, ast.FunctionDef) and method.name in core_methods and method.name != "__init__":
+            calls_super = any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "super"
+                              for c in ast.walk(method))
+            if not calls_super:
+                swapped.add(method.name)
+    assert swapped == {"buffers_to_sync", "_sync_module_states", "_grads_into_buckets", "_wait"}, swapped
+    assert f"the {size}-line class" in (launch.REPO / "README.md").read_text()

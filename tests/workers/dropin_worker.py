@@ -263,6 +263,53 @@ def check_pickle():
             raise AssertionError(f"{cls.__name__} with a subgroup was pickled")
 
 
+class Named(nn.Module):
+    """A frozen layer, BatchNorm's buffers (an int64 one among them) and a parameter DDP is told to leave alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.frozen, self.bn = Net(), nn.Linear(4, 4), nn.BatchNorm1d(4)
+        self.frozen.requires_grad_(False)
+        self.ignored = nn.Parameter(torch.zeros(3))
+        self._ddp_params_and_buffers_to_ignore = ["ignored"]
+
+    def forward(self, x):
+        return self.bn(self.frozen(self.net(x))) + self.ignored.sum()
+
+
+def check_names():
+    """For every set of constructor arguments the suite uses (and each of DDP's alone): the wrapper's state_dict()
+    keys, named_parameters() (names and the tensors themselves) and named_buffers() are DDP's, in DDP's order. A
+    strict load into the bare model, or an optimizer built from wrapper.parameters(), must not tell them apart."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    model = Named()
+    first, last = list(model.net.named_parameters())[:2], model.net.out.bias
+    mesh = init_device_mesh("cpu", (WORLD,))
+    sets = [{}, {"bucket_cap_mb": 0.002}, {"bucket_cap_mb_list": [0.001, 0.01]}, {"find_unused_parameters": True},
+            {"static_graph": True}, {"static_graph": True, "find_unused_parameters": True},
+            {"broadcast_buffers": False}, {"forward_sync_buffers": False}, {"init_sync": False},
+            {"gradient_as_bucket_view": True}, {"batched_grad_copy": True}, {"check_reduction": True, "dim": 0},
+            {"skip_all_reduce_unused_params": True, "find_unused_parameters": True},
+            {"bucket_cap_mb": 0.00005, "find_unused_parameters": True},
+            {"delay_all_reduce_named_params": [(f"net.{n}", p) for n, p in first], "param_to_hook_all_reduce": last},
+            {"delay_all_reduce_named_params": [(f"net.{n}", p) for n, p in first], "param_to_hook_all_reduce": last,
+             "find_unused_parameters": True},
+            {"process_group": dist.new_group(list(range(WORLD)))}, {"device_mesh": mesh}]
+    cases = [(lesson.DDPCore, {}), (lesson.DDPCore, {"bucket_cap_mb": 0.002})] + [(ManualDDP, kw) for kw in sets]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is deprecated, for both classes
+        for cls, kw in cases:
+            ours, theirs = cls(model, **kw), DDP(model, **kw)
+            for what in ("state_dict().keys", "named_parameters", "named_buffers"):
+                get = (lambda m: list(m.state_dict().keys())) if what.startswith("state") else (
+                    lambda m, what=what: [name for name, _ in getattr(m, what)()])
+                assert get(ours) == get(theirs), f"{cls.__name__}{kw}: {what} {get(ours)} != DDP's {get(theirs)}"
+            assert [id(p) for p in ours.parameters()] == [id(p) for p in theirs.parameters()], kw
+            model.load_state_dict({k.removeprefix("module."): v for k, v in ours.state_dict().items()}, strict=True)
+
+
 def check_ready_twice():
     """A parameter used inside a reentrant checkpoint and outside it: one clear error on every rank, no hang."""
     torch.manual_seed(4)
@@ -507,7 +554,7 @@ def main():
                         ("ready_twice", check_ready_twice), ("unused", check_unused_skip_and_delay),
                         ("subgroup", check_subgroup), ("single_process", check_training),
                         ("bucket_sizes", check_bucket_layout), ("no_sync", check_no_sync),
-                        ("bypassed", check_forward_bypassed), ("exact", check_exact)]:
+                        ("bypassed", check_forward_bypassed), ("names", check_names), ("exact", check_exact)]:
         if (only == [""] or name in only) and (name != "subgroup" or WORLD >= 3):
             if RANK == 0:
                 print("check", name, flush=True)

@@ -1,4 +1,5 @@
-"""Run under torchrun (2+ ranks): ManualDDP's weights are bit-identical to PyTorch's DDP after EVERY step.
+"""Run under torchrun (2+ ranks): 05's DDPCore alone, and ManualDDP with DDP's options, give weights bit-identical
+to PyTorch's DDP after EVERY step.
 (The suite runs these checks inside dropin_worker's 4-rank launch; the GPU tier runs this file.)
 
 TEST_DEVICE=cuda (the GPU tier) runs the same on CUDA tensors, ranks sharing GPUs over gloo unless
@@ -9,6 +10,7 @@ needs DDP's bucket layout at every step: one bucket in parameter order first, th
 order gradients really arrived (static_graph: one step later; find_unused_parameters: never rebuilt).
 """
 
+import contextlib
 import copy
 import os
 import sys
@@ -21,7 +23,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import identical_across_ranks, load_script  # noqa: E402
 
-ManualDDP = load_script("05_manual_ddp_gpt2.py").ManualDDP
+lesson = load_script("05_manual_ddp_gpt2.py")
+DDPCore, ManualDDP = lesson.DDPCore, lesson.ManualDDP
 DDP = nn.parallel.DistributedDataParallel
 DEVICE = torch.device("cpu")
 
@@ -63,25 +66,28 @@ def loss_of(model, data, **kw):
     return F.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten())
 
 
-def train_both(make, steps=4, accum=1, group=None, **kw):
-    """Train ManualDDP and DDP from the same weights on the same data; compare bit for bit after every step."""
+def train_both(make, steps=4, accum=1, group=None, ours_class=ManualDDP, **kw):
+    """Train ours (ManualDDP, or the core alone) and DDP from the same weights on the same data; compare bit for bit
+    after every step. Accumulation: the first accum - 1 micro-batches inside no_sync()."""
     torch.manual_seed(0)
     base = make().to(DEVICE)
-    if DEVICE.type == "cuda":
+    if DEVICE.type == "cuda" and ours_class is ManualDDP:  # the core takes no device_ids: inputs are on DEVICE
         kw = dict(kw, device_ids=[DEVICE.index])
-    ours, theirs = (wrapper(copy.deepcopy(base), process_group=group, **kw) for wrapper in (ManualDDP, DDP))
+    ours, theirs = (wrapper(copy.deepcopy(base), process_group=group, **kw) for wrapper in (ours_class, DDP))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
     rank = dist.get_rank(group)
     for step in range(steps):
         for model, opt in zip((ours, theirs), opts):
             for micro in range(accum):
-                model.require_backward_grad_sync = micro == accum - 1
-                (loss_of(model, batch(step, rank, micro)) / accum).backward()
+                sync = contextlib.nullcontext() if micro == accum - 1 else model.no_sync()
+                with sync:
+                    (loss_of(model, batch(step, rank, micro)) / accum).backward()
             opt.step()
             opt.zero_grad()
         for (name, a), b in zip(ours.module.named_parameters(), theirs.module.parameters()):
-            assert torch.equal(a, b), f"{kw} step {step}: {name} differs by {(a - b).abs().max().item():.3g}"
-    assert identical_across_ranks(list(ours.parameters()), group), f"{kw}: ranks differ"
+            assert torch.equal(a, b), (f"{ours_class.__name__} {kw} accum {accum} step {step}: {name} differs by "
+                                       f"{(a - b).abs().max().item():.3g}")
+    assert identical_across_ranks(list(ours.parameters()), group), f"{ours_class.__name__} {kw}: ranks differ"
     return ours
 
 
@@ -89,9 +95,16 @@ def check_exact(group=None):
     """Every case, on `group` (None: all ranks)."""
     layouts = {}
     for make in (OutOfOrder, gpt2):
+        # The core alone: default buckets (1 MiB first, then 25) and tiny ones (many buckets, rebuilt in the
+        # observed order), with and without no_sync accumulation.
+        for kw in ({}, {"bucket_cap_mb": 0.01}):
+            for accum in (1, 3):
+                core = train_both(make, accum=accum, group=group, ours_class=DDPCore, **kw)
+                layouts[(make.__name__, tuple(kw.items()))] = [b.indices for b in core.buckets]
         for kw in ({}, {"bucket_cap_mb": 0.01}, {"static_graph": True}, {"find_unused_parameters": True}):
             ours = train_both(make, group=group, **kw)
-            layouts[(make.__name__, tuple(kw.items()))] = ours.layout
+            if not kw.get("static_graph") and not kw.get("find_unused_parameters"):  # the core's layout, unchanged
+                assert [b.indices for b in ours.buckets] == layouts[(make.__name__, tuple(kw.items()))]
         train_both(make, accum=3, bucket_cap_mb=0.005, group=group)
     ours = train_both(lambda: OutOfOrder(unused=True), find_unused_parameters=True, bucket_cap_mb=0.01, group=group)
     assert ours.module.unused.weight.grad is None
@@ -129,7 +142,7 @@ def main():
     sizes = check_every_size()
     dist.barrier()
     if dist.get_rank() == 0:
-        print(f"OK ManualDDP bit-identical to DDP at every step on {sizes} ranks", flush=True)
+        print(f"OK DDPCore and ManualDDP bit-identical to DDP at every step on {sizes} ranks", flush=True)
     dist.destroy_process_group()
 
 
