@@ -178,36 +178,57 @@ class ZeroDDP(nn.Module):
         # Strictly in bucket order on every rank: collectives are matched by the order ranks issue them.
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             b = self.buckets[self._next]
-            full = b.grad if self.stage == 1 else torch.empty_like(b.flat)  # stage 2: a transient
-            for p, view in zip(b.params, full[: b.used].split(b.numels)):
-                grad, view = p.grad, view.view_as(p)
-                if self._accumulate and self.stage == 1:  # DDP's .grad holds the last mean plus the new gradient
-                    grad = view if grad is None else grad.add_(view)
-                if grad is None:  # no gradient on this rank: it counts as zero in the mean
-                    view.zero_()
-                else:  # divide BEFORE the sum, with DDP's own multiply: no fp16 overflow, and DDP's bits
-                    torch.mul(grad, 1 / self.world, out=view)
-                p.grad = None  # autograd's copy is freed: the bucket has it now
-            full[b.used :].zero_()
-            out = None  # a new shard to add to b.grad when it arrives, if any
-            if self.stage == 1:  # SUM of grad/N: every rank receives the whole mean
-                work = dist.all_reduce(full, group=self.group, async_op=True)
-            elif not self._accumulate:  # the all-reduce's first half: each rank receives the mean of its own shard
-                work = reduce_scatter(b.grad, full, group=self.group, async_op=True)
-            else:  # accumulating: into a new shard, added to the last mean when it arrives
-                out = torch.empty_like(b.grad)
-                work = reduce_scatter(out, full, group=self.group, async_op=True)
-            self._inflight.append((work, out, b))
+            if self.stage == 1:
+                self._all_reduce(b)
+            elif not self._accumulate:
+                self._reduce_scatter(b)
+            else:
+                self._reduce_scatter_and_add(b)
             self._next += 1
-            if self.stage == 2 and len(self._inflight) > 2:  # at most two full-size transients alive at once
-                self._wait(self._inflight.pop(0))
+
+    def _all_reduce(self, b):
+        """Stage 1, as DDP: all-reduce the whole bucket; every rank receives the whole mean, into b.grad."""
+        if self._accumulate:  # a second backward before zero_grad(): DDP's .grad is the last mean plus the new one
+            for p, last in zip(b.params, b.grad[: b.used].split(b.numels)):
+                p.grad = last.view_as(p) if p.grad is None else p.grad.add_(last.view_as(p))
+        self._take_gradients(b, b.grad)
+        self._sent(dist.all_reduce(b.grad, group=self.group, async_op=True), b)
+
+    def _reduce_scatter(self, b):
+        """Stage 2: the all-reduce's first half only. Each rank receives the mean of its own shard, into b.grad;
+        the whole bucket exists only while it travels (a transient, freed when the reduce-scatter is done)."""
+        full = torch.empty_like(b.flat)
+        self._take_gradients(b, full)
+        self._sent(reduce_scatter(b.grad, full, group=self.group, async_op=True), b)
+
+    def _reduce_scatter_and_add(self, b):
+        """Stage 2, a second backward before zero_grad(): the new mean of my shard arrives in a shard of its own,
+        added to the last mean when it is there."""
+        full, new = torch.empty_like(b.flat), torch.empty_like(b.grad)
+        self._take_gradients(b, full)
+        self._sent(reduce_scatter(new, full, group=self.group, async_op=True), b, add=new)
+
+    def _take_gradients(self, b, full):
+        """The bucket's gradients times 1/N into `full`, laid out as b.flat; autograd's copies are freed."""
+        for p, view in zip(b.params, full[: b.used].split(b.numels)):
+            if p.grad is None:  # no gradient on this rank: it counts as zero in the mean
+                view.zero_()
+            else:  # divide BEFORE the sum, with DDP's own multiply: no fp16 overflow, and DDP's bits
+                torch.mul(p.grad, 1 / self.world, out=view.view_as(p))
+            p.grad = None  # the bucket has it now
+        full[b.used :].zero_()
+
+    def _sent(self, work, b, add=None):
+        self._inflight.append((work, add, b))
+        if self.stage == 2 and len(self._inflight) > 2:  # at most two full-size transients alive at once
+            self._wait(self._inflight.pop(0))
 
     @staticmethod
     def _wait(inflight):
-        work, out, bucket = inflight
+        work, add, bucket = inflight
         work.wait()
-        if out is not None:
-            bucket.grad.add_(out)
+        if add is not None:
+            bucket.grad.add_(add)
 
     def _finish(self):
         """End of backward: send the buckets whose gradients never came (unused parameters), then wait."""
@@ -224,10 +245,7 @@ class ZeroDDP(nn.Module):
     def step(self, closure=None):
         """Step this rank's shard, then all-gather the shards: every rank ends with every updated parameter."""
         loss = self.optim.step(closure)
-        # The Works are kept until the next step: whoever drops the last reference to a gloo Work runs its
-        # destructor, which needs the GIL (the Work holds Python tensors). Dropped here, the last reference would
-        # often be gloo's worker thread's; if the interpreter is exiting by the time that thread asks for the GIL,
-        # Python ends the thread inside a noexcept destructor: "terminate called without an active exception".
+        # The Works are kept until the next step, for a clean exit on gloo (docs/zero.md, "A clean exit").
         self._gathers = [all_gather(b.flat, b.flat[b.lo : b.hi], group=self.group, async_op=True)
                          for b in self.buckets]
         for work in self._gathers:
@@ -240,49 +258,12 @@ class ZeroDDP(nn.Module):
         self.module.zero_grad(set_to_none)
 
     def state_dict(self):
-        """The plain optimizer's state_dict, gathered to the group's rank 0 (CPU tensors; None on the others).
-        A state tensor shaped like its piece is per element, put together from the shards; anything else is per
-        parameter (AdamW's step) and the same in every shard."""
-        mine = []
-        for piece, i, off in self.pieces:
-            for k, v in self.optim.state.get(piece, {}).items():
-                per_element = torch.is_tensor(v) and v.shape == piece.shape
-                mine.append((i, k, off if per_element else None, v.cpu() if torch.is_tensor(v) else v))
-        everyone = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(mine, everyone, dst=self.root, group=self.group)  # every rank must call state_dict()
-        if self.rank != 0:
-            return None
-        state = {}
-        for i, k, off, v in [t for rank_state in everyone for t in rank_state]:
-            whole = state.setdefault(i, {})
-            if off is None:
-                whole[k] = v
-                continue
-            if k not in whole:
-                whole[k] = torch.zeros(self.params[i].shape, dtype=v.dtype)
-            whole[k].view(-1)[off : off + len(v)] = v
-        groups = [dict(g, params=numbers) for g, numbers in zip(self.optim.param_groups, self.numbers)]
-        return {"state": dict(sorted(state.items())), "param_groups": groups}
+        """The plain optimizer's state_dict, gathered to the group's rank 0 (after the lesson: optimizer_state)."""
+        return optimizer_state(self)
 
     def load_state_dict(self, state_dict):
-        """Load a plain optimizer's state_dict (from state_dict(), or saved without ZeRO): every rank passes all
-        of it and keeps the slices of its own shard."""
-        saved = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved] != [len(numbers) for numbers in self.numbers]:
-            raise ValueError("ZeroDDP.load_state_dict: the parameter groups differ from this optimizer's")
-        # Saved and our parameter numbers, matched position by position within each group (as torch.optim does).
-        by_number = {i: state_dict["state"].get(s, {}) for g, numbers in zip(saved, self.numbers)
-                     for s, i in zip(g["params"], numbers)}
-        state = {}
-        for k, (piece, i, off) in enumerate(self.pieces):
-            for key, v in by_number[i].items():
-                if torch.is_tensor(v) and v.shape == self.params[i].shape:  # per element: my slice of it
-                    v = v.reshape(-1)[off : off + piece.numel()]
-                # A copy: torch's load_state_dict would keep the caller's tensor (always the step) and step it.
-                state.setdefault(k, {})[key] = v.clone() if torch.is_tensor(v) else v
-        ours = self.optim.state_dict()["param_groups"]  # our optimizer's own numbers for its pieces
-        groups = [dict(g, params=mine["params"]) for g, mine in zip(saved, ours)]
-        self.optim.load_state_dict({"state": state, "param_groups": groups})
+        """Load a plain optimizer's state_dict: every rank passes all of it (after the lesson: load_optimizer_state)."""
+        load_optimizer_state(self, state_dict)
 
 
 # --- model, data, what a rank holds ---
@@ -462,6 +443,55 @@ def main(args):
            f"{'bit-identical to' if exact else f'within {atol:.1e} of'} DDP + AdamW's, ranks identical")
 
 
+# --- ZeroDDP's checkpoints: the plain optimizer's state_dict, put together from the shards ---
+def optimizer_state(zero):
+    """The plain optimizer's state_dict, gathered to the group's rank 0 (CPU tensors; None on the others).
+    A state tensor shaped like its piece is per element, put together from the shards; anything else is per
+    parameter (AdamW's step) and the same in every shard."""
+    mine = []
+    for piece, i, off in zero.pieces:
+        for k, v in zero.optim.state.get(piece, {}).items():
+            per_element = torch.is_tensor(v) and v.shape == piece.shape
+            mine.append((i, k, off if per_element else None, v.cpu() if torch.is_tensor(v) else v))
+    everyone = [None] * zero.world if zero.rank == 0 else None
+    dist.gather_object(mine, everyone, dst=zero.root, group=zero.group)  # every rank must call state_dict()
+    if zero.rank != 0:
+        return None
+    state = {}
+    for i, k, off, v in [t for rank_state in everyone for t in rank_state]:
+        whole = state.setdefault(i, {})
+        if off is None:
+            whole[k] = v
+            continue
+        if k not in whole:
+            whole[k] = torch.zeros(zero.params[i].shape, dtype=v.dtype)
+        whole[k].view(-1)[off : off + len(v)] = v
+    groups = [dict(g, params=numbers) for g, numbers in zip(zero.optim.param_groups, zero.numbers)]
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def load_optimizer_state(zero, state_dict):
+    """Load a plain optimizer's state_dict (from state_dict(), or saved without ZeRO): every rank passes all
+    of it and keeps the slices of its own shard."""
+    saved = state_dict["param_groups"]
+    if [len(g["params"]) for g in saved] != [len(numbers) for numbers in zero.numbers]:
+        raise ValueError("ZeroDDP.load_state_dict: the parameter groups differ from this optimizer's")
+    # Saved and our parameter numbers, matched position by position within each group (as torch.optim does).
+    by_number = {i: state_dict["state"].get(s, {}) for g, numbers in zip(saved, zero.numbers)
+                 for s, i in zip(g["params"], numbers)}
+    state = {}
+    for k, (piece, i, off) in enumerate(zero.pieces):
+        for key, v in by_number[i].items():
+            if torch.is_tensor(v) and v.shape == zero.params[i].shape:  # per element: my slice of it
+                v = v.reshape(-1)[off : off + piece.numel()]
+            # A copy: torch's load_state_dict would keep the caller's tensor (always the step) and step it.
+            state.setdefault(k, {})[key] = v.clone() if torch.is_tensor(v) else v
+    ours = zero.optim.state_dict()["param_groups"]  # our optimizer's own numbers for its pieces
+    groups = [dict(g, params=mine["params"]) for g, mine in zip(saved, ours)]
+    zero.optim.load_state_dict({"state": state, "param_groups": groups})
+
+
+# --- command line ---
 def parse_args(argv=None):
     p = parser(__doc__)
     count = number(int, 1)
