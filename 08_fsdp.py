@@ -115,17 +115,7 @@ class Unit:
     def unshard(self, wait=True):
         """Launch the all-gather of this unit's parameters (async) unless under way; with wait, install them."""
         if self.state == "sharded" and self.gather is None and self.full:
-            buf = torch.empty(self.world * len(self.flat), dtype=self.param_dtype, device=self.device)
-            if self.gloo:  # gloo's all-gather works through a temporary copy of its output, alive while the next
-                # unit computes: N broadcasts, one from each rank into its row, send the same bytes in place.
-                rows = buf.view(self.world, -1)
-                rows[self.rank].copy_(self.flat)
-                works = [dist.broadcast(row, src=dist.get_global_rank(self.group, r), group=self.group,
-                                        async_op=True) for r, row in enumerate(rows)]
-            else:
-                works = [all_gather(buf, self.flat.to(self.param_dtype), group=self.group, async_op=True)]
-            self.gather = buf, works  # the output to be, and the handles to wait on
-            self.root.note("all-gather", self, buf)
+            self.gather = self.start_gather()
         if wait and self.gather is not None:
             buf, works = self.gather
             for work in works:
@@ -139,16 +129,24 @@ class Unit:
             _copy_chunks(buf.view(self.world, -1), [f.data for f in self.full], self.sizes, into_rows=False)
             self.state, self.gather = "full", None
 
+    def start_gather(self):
+        """The all-gather, launched: (its output to be, the handles to wait on)."""
+        buf = torch.empty(self.world * len(self.flat), dtype=self.param_dtype, device=self.device)
+        if self.gloo:  # gloo's all-gather works through a temporary copy of its output, alive while the next unit
+            # computes: N broadcasts, one from each rank into its row, send the same bytes in place.
+            rows = buf.view(self.world, -1)
+            rows[self.rank].copy_(self.flat)
+            return buf, [dist.broadcast(row, src=dist.get_global_rank(self.group, r), group=self.group,
+                                        async_op=True) for r, row in enumerate(rows)]
+        return buf, [all_gather(buf, self.flat.to(self.param_dtype), group=self.group, async_op=True)]
+
     # The hooks, in the order they run in a training step.
     def pre_forward(self, module, args, kwargs):
         if self.root is None:  # the first unit to run forward is the root (PyTorch's rule)
             self.init_root()
-        if self is self.root:
-            self.events = []
         self.unshard()
         if self.next is not None:  # its all-gather runs while this unit computes
             self.next.unshard(wait=False)
-        self.root.events.append(f"forward {self.name}")
         if self.param_dtype != self.dtype:  # MixedPrecisionPolicy's cast_forward_inputs (one level deep here)
             args = tuple(self.cast(a) for a in args)
             kwargs = {k: self.cast(v) for k, v in kwargs.items()}
@@ -177,7 +175,6 @@ class Unit:
         self.unshard()
         self.prev.unshard(wait=False)  # backward runs through the units in reverse
         self.state = "backward"
-        self.root.events.append(f"backward {self.name}")
 
     def post_backward(self, *unused):
         # Once per forward call (its graph's backward) and again from finish_backward: no "done" state, so that a
@@ -201,19 +198,20 @@ class Unit:
             rows = torch.zeros(self.world, sum(sizes), dtype=self.reduce_dtype, device=self.device)
             _copy_chunks(rows, [g for _, g in grads], sizes, into_rows=True)
             grads = None  # the full gradients are freed: their packed copy is all that is left
-            # The mean, as fully_shard asks for it (AVG). NCCL reduce-scatters and divides in one go. gloo has no
-            # reduce-scatter: its reduce_scatter_single all-reduces a copy of the whole buffer, keeps this rank's
-            # row and divides it. The same all-reduce in place gives the same bits without the copy.
-            if self.world == 1:  # nothing to reduce (as fully_shard: NCCL before 2.29.7 botches a one-rank AVG)
-                out, work = rows[0], None
-            elif self.gloo:
-                out, work = None, dist.all_reduce(rows, group=self.group, async_op=True)
-            else:
-                out = torch.empty(rows.shape[1], dtype=self.reduce_dtype, device=self.device)
-                work = reduce_scatter(out, rows.view(-1), op=dist.ReduceOp.AVG, group=self.group,
-                                                  async_op=True)
-            self.root.note("reduce-scatter", self, rows)  # counted as what a ring reduce-scatter sends
+            out, work = self.start_reduce(rows)
             self.root.pending.append((self, work, rows, out, idx))
+
+    def start_reduce(self, rows):
+        """The reduce-scatter of the packed gradients, launched: (this rank's mean to be, or None, the handle)."""
+        # The mean, as fully_shard asks for it (AVG). NCCL reduce-scatters and divides in one go. gloo has no
+        # reduce-scatter: its reduce_scatter_single all-reduces a copy of the whole buffer, keeps this rank's row
+        # and divides it. The same all-reduce in place gives the same bits without the copy.
+        if self.world == 1:  # nothing to reduce (as fully_shard: NCCL before 2.29.7 botches a one-rank AVG)
+            return rows[0], None
+        if self.gloo:
+            return None, dist.all_reduce(rows, group=self.group, async_op=True)
+        out = torch.empty(rows.shape[1], dtype=self.reduce_dtype, device=self.device)
+        return out, reduce_scatter(out, rows.view(-1), op=dist.ReduceOp.AVG, group=self.group, async_op=True)
 
     def set_requires_gradient_sync(self, requires_gradient_sync):
         """Off: backward sends nothing and each rank keeps summing full gradients (gradient accumulation)."""
@@ -229,12 +227,7 @@ class Unit:
             u.next = units[i + 1] if i + 1 < len(units) else None
             if u.reshard_after_forward is None:
                 u.reshard_after_forward = u is not self
-        self.events, self.pending, self.queued, self.sent = [], [], False, 0
-
-    def note(self, what, unit, buf):
-        # A ring all-gather or reduce-scatter of buf sends (N - 1) / N of it from every rank (see 03).
-        self.sent += buf.numel() * buf.element_size() * (self.world - 1) // self.world
-        self.events.append(f"{what} {unit.name}")
+        self.pending, self.queued = [], False
 
     def finish_reduce(self):
         unit, work, rows, out, idx = self.pending.pop(0)
@@ -269,9 +262,11 @@ def _unsharded_params(module, top=True):
         yield from module.parameters(recurse=False)
 
 
-def fully_shard(module, *, process_group=None, param_dtype=None, reduce_dtype=None, reshard_after_forward=None):
+def fully_shard(module, *, process_group=None, param_dtype=None, reduce_dtype=None, reshard_after_forward=None,
+                unit_class=Unit):
     """torch.distributed.fsdp.fully_shard by hand: one unit of module's parameters not in a unit yet. Call it on
-    each block, then on the root; param_dtype and reduce_dtype mean what MixedPrecisionPolicy's fields mean."""
+    each block, then on the root; param_dtype and reduce_dtype mean what MixedPrecisionPolicy's fields mean.
+    unit_class: 08's training passes TracedUnit, a Unit that also records what the script prints."""
     if hasattr(module, "fsdp_unit"):
         raise ValueError(f"{type(module).__name__} is sharded already: call fully_shard once per module")
     params = list(dict.fromkeys(_unsharded_params(module)))  # a tied parameter once
@@ -282,7 +277,8 @@ def fully_shard(module, *, process_group=None, param_dtype=None, reduce_dtype=No
         if p.dim() == 0 or p.dtype != params[0].dtype:
             raise ValueError("fully_shard needs parameters of one dtype, each with a dim 0 to shard")
         p.sharded_by = type(module).__name__
-    unit = Unit(module, params, process_group or dist.group.WORLD, param_dtype, reduce_dtype, reshard_after_forward)
+    unit = unit_class(module, params, process_group or dist.group.WORLD, param_dtype, reduce_dtype,
+                      reshard_after_forward)
     module.fsdp_unit = unit
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
@@ -331,6 +327,41 @@ def clip_grad_norm_(parameters, max_norm, group=None):
 
 
 # --- GPT-2 trained four ways: DDP, ZeRO-2 (07), ours, PyTorch's fully_shard ---
+class TracedUnit(Unit):
+    """Our Unit, also recording what the script prints of a step: forwards, backwards and launches in the order
+    they happen (events), and the bytes a ring sends for them (sent). Every override calls Unit's own."""
+
+    sent = 0  # on the root: every step's bytes so far
+
+    def pre_forward(self, module, args, kwargs):
+        if self.root is None or self.root is self:  # the root, starting a forward: a new step's record
+            self.events = []
+        args, kwargs = super().pre_forward(module, args, kwargs)
+        self.root.events.append(f"forward {self.name}")
+        return args, kwargs
+
+    def pre_backward(self, grad):
+        starts = self.state != "backward"  # not when another of its outputs started it
+        super().pre_backward(grad)
+        if starts:
+            self.root.events.append(f"backward {self.name}")
+
+    def start_gather(self):
+        buf, works = super().start_gather()
+        self.record("all-gather", buf)
+        return buf, works
+
+    def start_reduce(self, rows):
+        out, work = super().start_reduce(rows)
+        self.record("reduce-scatter", rows)
+        return out, work
+
+    def record(self, what, buf):
+        # A ring all-gather or reduce-scatter of buf sends (N - 1) / N of it from every rank (see 03).
+        self.root.sent += buf.numel() * buf.element_size() * (self.world - 1) // self.world
+        self.root.events.append(f"{what} {self.name}")
+
+
 def gpt2(args, device):
     import transformers
     transformers.logging.set_verbosity_error()  # its notes on the config we set on purpose
@@ -357,7 +388,7 @@ def build(impl, args, device, zero):
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     for m in [*model.transformer.h, model]:  # each block a unit, then the root
         if impl == "ours":
-            fully_shard(m, param_dtype=dtype, reshard_after_forward=reshard)
+            fully_shard(m, param_dtype=dtype, reshard_after_forward=reshard, unit_class=TracedUnit)
         else:
             torch_fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype),
                               reshard_after_forward=reshard)

@@ -74,13 +74,14 @@ def loss_of(model, x):
     return F.cross_entropy(model(x[:, :-1]).float().flatten(0, 1), x[:, 1:].flatten())
 
 
-def shard_both(base, group=None, **mp):
+def shard_both(base, group=None, unit_class=fsdp.Unit, **mp):
     """Two copies of base: one sharded by ours, one by PyTorch's fully_shard, block by block, then the root (over
-    `group`, default all ranks: ours takes the group, fully_shard a mesh made from it)."""
+    `group`, default all ranks: ours takes the group, fully_shard a mesh made from it). unit_class: 08's TracedUnit
+    where a check reads what it records."""
     ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")  # without one: the machine's accelerator
     for m in [*ours.blocks, ours]:
-        fsdp.fully_shard(m, process_group=group, **mp)
+        fsdp.fully_shard(m, process_group=group, unit_class=unit_class, **mp)
     for m in [*theirs.blocks, theirs]:
         torch_fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(**mp))
     return ours, theirs
@@ -219,7 +220,7 @@ def check_memory_and_traffic():
     and two blocks gathered at once; bytes sent equal to fully_shard's (counted through its custom comm hooks)."""
     torch.manual_seed(3)
     base = Toy(blocks=4)
-    ours, theirs = shard_both(base)
+    ours, theirs = shard_both(base, unit_class=fsdp.TracedUnit)  # it counts the bytes it sends
     numel = sum(p.numel() for p in base.parameters())
     padded = sum(-(-len(p) // WORLD) * p[0].numel() for p in base.parameters())
     units = fsdp._units(ours)
@@ -275,7 +276,7 @@ def check_launch_order():
     torch.manual_seed(4)
     model = Toy(blocks=4)
     for m in [*model.blocks, model]:
-        fsdp.fully_shard(m)
+        fsdp.fully_shard(m, unit_class=fsdp.TracedUnit)  # it records the events
     for step in range(2):  # the second step shows the steady state
         loss_of(model, data(step, RANK)).backward()
     ev = model.fsdp_unit.events
