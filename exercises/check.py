@@ -242,6 +242,8 @@ def main(argv=None):
     sys.path.insert(0, HERE)
     import grading  # torch: imported once here, before the ranks are forked
     exercise = grading.EXERCISES[args.name]
+    if exercise.ranks > 1:
+        import torch._dynamo  # noqa: F401  (PyTorch's DDP imports it when first built: 2 s, here, not in every rank)
     files = args.file or [os.path.join(REPO, exercise.reference) if args.solution else
                           os.path.join(HERE, f"{args.name}.py")]
     for path in files:

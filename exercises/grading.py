@@ -66,9 +66,10 @@ def check_tree_broadcast(tree_broadcast):
         inputs = _gather_tensors(x)  # everyone's input, to say whose tensor a rank ended up with
         with recording() as rec, watching(label):
             tree_broadcast(x, src)
+        results = _gather_tensors(x)
         problem = None
         if not torch.equal(x, inputs[src]):
-            problem = _broadcast_problem(x, inputs, src, rank)
+            problem = _broadcast_problem(x, inputs, results, src, rank)
         elif rank == src and rec.count("send") > rounds:
             problem = _problem(
                 f"the source sent {rec.count('send')} messages to reach {world} ranks: a binomial tree needs only "
@@ -83,8 +84,12 @@ def check_tree_broadcast(tree_broadcast):
             f"in place, the source sending {rounds} messages (ceil(log2 {world}) rounds)"]
 
 
-def _broadcast_problem(x, inputs, src, rank):
+def _broadcast_problem(x, inputs, results, src, rank):
     owner = next((k for k, t in enumerate(inputs) if torch.equal(x, t)), None)
+    if owner is not None and owner != src and all(torch.equal(t, inputs[owner]) for t in results):
+        return _problem(f"every rank holds rank {owner}'s tensor, not the source's (src={src})",
+                        "the tree must start at src: number the ranks relative to it, vrank = (rank - src) % N, "
+                        "and turn a partner's vrank back into a rank with (vrank + src) % N")
     if owner == rank:
         return _problem(f"this rank's tensor still holds its own values, not rank {src}'s: nothing was received "
                         "into it",

@@ -20,7 +20,8 @@ class ZeroDDP(nn.Module):
             p.data = view.view_as(p)
             offset += p.numel()
         dist.broadcast(self.flat, src=0)  # replicas start as rank 0's
-        self.shard = self.flat[self.rank * self.size:(self.rank + 1) * self.size]
+        self.lo, self.hi = self.rank * self.size, (self.rank + 1) * self.size  # my shard of the buffer
+        self.shard = self.flat[self.lo:self.hi]
         self.shard.grad = torch.zeros_like(self.shard)
         self.optim = optimizer_class([self.shard], **defaults)
 
@@ -32,7 +33,7 @@ class ZeroDDP(nn.Module):
         torch.cat([p.grad.reshape(-1) for p in self.params], out=grads[:sum(p.numel() for p in self.params)])
         grads.mul_(1 / self.world)
         dist.all_reduce(grads)
-        self.shard.grad.copy_(grads[self.rank * self.size:(self.rank + 1) * self.size])
+        self.shard.grad.copy_(grads[self.lo:self.hi])
         self.optim.step()
         dist.all_gather_into_tensor(self.flat, self.shard.detach().clone())
 

@@ -1,0 +1,167 @@
+"""exercises/check.py is tested (issue #32): the project's own code passes every rung, the stubs say "not
+implemented", planted mistakes fail with the message that names them, and a deadlock ends in bounded time.
+
+A planted mistake is a small edit of a correct participant's solution (tests/exercise_solutions/NAME.py), written
+to tmp_path. One check.py run per rung grades all of its files (the ranks are forked from one process that
+imported torch once), so the whole file stays near a minute on 2 cores.
+"""
+
+import json
+import sys
+
+import pytest
+
+import launch
+
+SOLUTIONS = launch.REPO / "tests" / "exercise_solutions"
+PROJECT = {  # the project's own implementation of each rung
+    "tree_broadcast": "02_broadcast.py",
+    "ring_all_reduce": "03_all_reduce.py",
+    "sampler": "04_sampler.py",
+    "ddp_naive": "05_manual_ddp_gpt2.py",
+    "ddp_overlap": "tests/exercise_solutions/ddp_overlap.py",  # no numbered script stops at this rung
+    "ddp_buckets": "05_manual_ddp_gpt2.py",
+    "zero1": "07_zero.py",
+}
+
+# rung -> {mistake: ([(text in the solution, replaced by)], what the verdict must say)}
+MISTAKES = {
+    "tree_broadcast": {
+        "src ignored": ([("vrank = (rank - src) % world", "src, vrank = 0, rank")], "not the source's (src=1)"),
+        "a line, not a tree": ([("    for k in range(math.ceil(math.log2(world))):",
+                                 "    for peer in range(world * (rank == src)):\n"
+                                 "        if peer != src:\n"
+                                 "            dist.send(tensor, dst=peer)\n"
+                                 "    if rank != src:\n"
+                                 "        dist.recv(tensor, src=src)\n"
+                                 "    for k in []:")],
+                               "a binomial tree needs only ceil(log2 4) = 2 rounds"),
+        "not in place": ([("    vrank = ", "    tensor = tensor.clone()\n    vrank = ")], "in place"),
+    },
+    "ring_all_reduce": {
+        "all-gather skipped": ([("for s in range(world - 1):  # all-gather", "for s in range(0):  # all-gather")],
+                               "the all-gather phase seems missing"),
+        "wrong chunk offset": ([("chunks[(rank - s - 1) % world]", "chunks[(rank - s + 1) % world]")],
+                               "check the chunk indices"),
+        "all-gather adds": ([("reqs = [dist.isend(send, right), dist.irecv(recv, left)]\n",
+                              "inbox = recv.clone()\n"
+                              "        reqs = [dist.isend(send, right), dist.irecv(inbox, left)]\n"),
+                             ("    if flat.data_ptr()", "        recv += inbox\n    if flat.data_ptr()")],
+                            "overwrites yours (copy_), it is not added"),
+        "no copy back": ([("if flat.data_ptr() != tensor.data_ptr():", "if False:")], "copy the result back"),
+    },
+    "sampler": {
+        "set_epoch ignored": ([("        self.epoch = epoch\n", "        pass\n")], "set_epoch(1) changed nothing"),
+        "no padding": ([("indices += [indices[i % n] for i in range(self.total_size - n)]", "pass")],
+                       "no padding?"),
+        "a block per rank": ([("indices[self.rank:self.total_size:self.num_replicas]",
+                               "indices[self.rank * self.num_samples:(self.rank + 1) * self.num_samples]")],
+                             "every N-th index starting at r"),
+        "seed per rank": ([("g.manual_seed(self.seed + self.epoch)",
+                            "g.manual_seed(self.seed + self.epoch + self.rank)")], "the same permutation"),
+    },
+    "ddp_naive": {
+        "1/N forgotten": ([("            p.grad /= world\n", "")], "summed, not averaged"),
+        "biases skipped": ([("if p.requires_grad:", "if p.dim() > 1:")], "fc1.bias.grad is this rank's own gradient"),
+        "weights reduced": ([("dist.all_reduce(p.grad)", "dist.all_reduce(p.data)")], "must only change .grad"),
+    },
+    "ddp_overlap": {
+        "after backward": ([("p.register_post_accumulate_grad_hook(self._launch)", "pass"),
+                            ("        for work in self.pending:",
+                             "        for p in self.module.parameters():\n"
+                             "            self._launch(p)\n"
+                             "        for work in self.pending:")],
+                           "launched after backward"),
+        "blocking in the hook": ([("self.pending.append(dist.all_reduce(p.grad, async_op=True))",
+                                   "dist.all_reduce(p.grad)")], "blocking (async_op=False)"),
+        "1/N forgotten": ([("        p.grad.div_(self.world)", "        pass")], "summed, not averaged"),
+        "never waited": ([("            work.wait()", "            pass")], "never waited for"),
+        "no broadcast": ([("            dist.broadcast(p.data, src=0)", "            pass")], "broadcast rank 0's"),
+    },
+    "ddp_buckets": {
+        "buckets out of order": ([("for ps in self.buckets]", "for ps in reversed(self.buckets)]")],
+                                 "buckets launched out of order"),
+        "1/N forgotten": ([("            flat.mul_(1 / self.world)", "            pass")], "summed, not averaged"),
+        "no_sync ignored": ([("        if not self.sync:\n            return\n", "")],
+                            "launched during a backward inside no_sync()"),
+        "1/N after the sum": ([("            flat.mul_(1 / self.world)", "            pass"),
+                               ("            work.wait()\n",
+                                "            work.wait()\n            flat.mul_(1 / self.world)\n")],
+                              "went out undivided"),
+    },
+    "zero1": {
+        "shards not gathered": ([("        dist.all_gather_into_tensor(self.flat, self.shard.detach().clone())\n", "")],
+                                "all-gather the updated shards"),
+        "1/N forgotten": ([("        grads.mul_(1 / self.world)\n", "")], "summed, not averaged"),
+        "no sharding": ([("self.lo, self.hi = self.rank * self.size, (self.rank + 1) * self.size",
+                          "self.lo, self.hi = 0, self.size * self.world"),
+                         ("        dist.all_gather_into_tensor(self.flat, self.shard.detach().clone())\n", "")],
+                        "steps only this rank's shard"),
+    },
+}
+
+
+def plant(name, edits, path):
+    text = (SOLUTIONS / f"{name}.py").read_text()
+    for old, new in edits:
+        assert old in text, f"the mistake no longer applies to tests/exercise_solutions/{name}.py: {old!r}"
+        text = text.replace(old, new)
+    path.write_text(text)
+    return path
+
+
+def check(name, files, tmp_path, *flags, timeout=240):
+    """Run the checker on `files`; return its exit status, output and one verdict per file."""
+    out = tmp_path / "verdicts.json"
+    args = [sys.executable, "exercises/check.py", name, "--json", out, *flags]
+    for f in files:
+        args += ["--file", f]
+    res = launch.run([str(a) for a in args], timeout=timeout)
+    assert not res.timed_out, res.output
+    return res, json.loads(out.read_text()) if out.exists() else None
+
+
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_checker_passes_ours_and_names_each_planted_mistake(name, tmp_path):
+    """One run per rung: the project's own code and a participant's solution pass; the untouched stub says "not
+    implemented" and names its file; each planted mistake fails with the words that name it."""
+    mistakes = MISTAKES[name]
+    assert len(mistakes) >= 3
+    files = [launch.REPO / PROJECT[name], SOLUTIONS / f"{name}.py", launch.REPO / "exercises" / f"{name}.py"]
+    files += [plant(name, edits, tmp_path / f"{name}_{k}.py") for k, (edits, _) in enumerate(mistakes.values())]
+    res, verdicts = check(name, files, tmp_path, *([] if name == "ring_all_reduce" else ["--no-speed"]))
+    assert verdicts is not None and len(verdicts) == len(files), res.output
+    assert res.returncode == 1, res.output  # not every file passes: non-zero
+    ours, solution, stub, *planted = verdicts
+    assert ours["status"] == "ok" and ours["text"].startswith(f"OK {name}"), ours["text"]
+    assert solution["status"] == "ok", solution["text"]
+    if name == "ring_all_reduce":  # a passing ring also hears its speed against the library's
+        assert "busbw" in solution["text"] and "x the library" in solution["text"], solution["text"]
+    assert stub["status"] == "not_implemented", stub["text"]
+    assert "NOT IMPLEMENTED" in stub["text"] and f"exercises/{name}.py" in stub["text"], stub["text"]
+    for (mistake, (_, says)), v in zip(mistakes.items(), planted):
+        assert v["status"] == "fail", f"{mistake}: {v['text']}"
+        assert says in v["text"], f"{mistake}: {v['text']}"
+        assert "\n  hint: " in v["text"], f"{mistake}: {v['text']}"
+
+
+def test_checker_exits_zero_when_the_file_passes(tmp_path):
+    res, (v,) = check("sampler", [], tmp_path, "--solution")
+    assert res.returncode == 0 and v["status"] == "ok", res.output
+    assert v["file"].endswith("04_sampler.py"), v
+
+
+def test_a_deadlocking_ring_ends_in_bounded_time_with_where_each_rank_waited(tmp_path):
+    """Blocking sends in a ring: every rank sends first and nobody receives. The checker stops within --hang-s
+    (plus a grace) and says, in one line, where each rank waited, and why."""
+    blocking = plant("ring_all_reduce", [("reqs = [dist.isend(send, right), dist.irecv(inbox, left)]",
+                                          "dist.send(send, right)\n        dist.recv(inbox, left)\n        reqs = []")],
+                     tmp_path / "blocking_ring.py")
+    line = next(n for n, text in enumerate(blocking.read_text().splitlines(), 1) if "dist.send(" in text)
+    res, (v,) = check("ring_all_reduce", [blocking], tmp_path, "--hang-s", "3", "--no-speed", timeout=60)
+    assert res.returncode == 1 and v["status"] == "hang", res.output
+    first = v["text"].splitlines()[0]
+    assert first.startswith("HANG") and "no progress for 3 s in case 1 of" in first, first
+    for r in range(3):
+        assert f"rank {r} waits at blocking_ring.py:{line} in ring_all_reduce" in first, first
+    assert "dist.send blocks until the receiving rank has posted its receive" in v["text"], v["text"]
