@@ -28,9 +28,9 @@ class ZeroDDP(nn.Module):
     Hints:
       - simplest: flatten all parameters into one buffer, pad it to a multiple of N, and make each parameter's
         data a view into it (p.data = view); rank r's shard is buffer[r * size : (r + 1) * size];
-      - give the optimizer 1-D views of the shard pieces as its parameters, with the matching pieces of the
-        averaged gradient as their .grad; after its step, dist.all_gather_into_tensor(buffer, my_shard) puts
-        everyone's update everywhere (every element's update is elementwise, so sharding changes no bits).
+      - this rank's optimizer then has one parameter, its shard, whose .grad is the same slice of the averaged
+        flat gradient; after its step, dist.all_gather_single(buffer, shard) (all_gather_into_tensor before torch
+        2.14) puts every rank's update everywhere (the update is elementwise: sharding changes no bits).
     """
 
     def __init__(self, module, optimizer_class, **defaults):

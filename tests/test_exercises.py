@@ -63,7 +63,7 @@ MISTAKES = {
     "ddp_naive": {
         "1/N forgotten": ([("            p.grad /= world\n", "")], "summed, not averaged"),
         "biases skipped": ([("if p.requires_grad:", "if p.dim() > 1:")], "fc1.bias.grad is this rank's own gradient"),
-        "weights reduced": ([("dist.all_reduce(p.grad)", "dist.all_reduce(p.data)")], "must only change .grad"),
+        "weights reduced": ([("dist.all_reduce(p.grad)", "dist.all_reduce(p.data)")], "changed the weights"),
     },
     "ddp_overlap": {
         "after backward": ([("p.register_post_accumulate_grad_hook(self._launch)", "pass"),
@@ -90,12 +90,12 @@ MISTAKES = {
                               "went out undivided"),
     },
     "zero1": {
-        "shards not gathered": ([("        dist.all_gather_into_tensor(self.flat, self.shard.detach().clone())\n", "")],
+        "shards not gathered": ([("        all_gather(self.flat, self.shard.detach().clone())\n", "")],
                                 "all-gather the updated shards"),
         "1/N forgotten": ([("        grads.mul_(1 / self.world)\n", "")], "summed, not averaged"),
         "no sharding": ([("self.lo, self.hi = self.rank * self.size, (self.rank + 1) * self.size",
                           "self.lo, self.hi = 0, self.size * self.world"),
-                         ("        dist.all_gather_into_tensor(self.flat, self.shard.detach().clone())\n", "")],
+                         ("        all_gather(self.flat, self.shard.detach().clone())\n", "")],
                         "steps only this rank's shard"),
     },
 }

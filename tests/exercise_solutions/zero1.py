@@ -4,6 +4,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # renamed in torch 2.14
+
 
 class ZeroDDP(nn.Module):
     def __init__(self, module, optimizer_class, **defaults):
@@ -35,7 +37,7 @@ class ZeroDDP(nn.Module):
         dist.all_reduce(grads)
         self.shard.grad.copy_(grads[self.lo:self.hi])
         self.optim.step()
-        dist.all_gather_into_tensor(self.flat, self.shard.detach().clone())
+        all_gather(self.flat, self.shard.detach().clone())
 
     def zero_grad(self, set_to_none=True):
         self.module.zero_grad(set_to_none)
