@@ -23,6 +23,7 @@ import contextlib
 import copy
 import ctypes
 import functools
+import itertools
 import math
 import os
 import sys
@@ -51,9 +52,11 @@ class _Bucket:
     def __init__(self, params, world, rank, stage):
         self.params, self.numels, self.pending = params, [p.numel() for p in params], len(params)
         self.used = sum(self.numels)
+        self.offsets = list(itertools.accumulate(self.numels, initial=0))  # where each parameter starts in flat
         self.shard = -(-self.used // world)  # ceil: fewer than N elements of padding
         self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard  # my shard, as a chunk of 03's ring
         self.flat = torch.zeros(world * self.shard, dtype=params[0].dtype, device=params[0].device)
+        self.transient = None  # stage 2: the bucket's full gradients, only while they are filled and sent
         # The averaged gradient: stage 1 keeps all of it (as DDP), stage 2 only this rank's shard.
         self.grad = torch.zeros_like(self.flat) if stage == 1 else self.flat.new_zeros(self.shard)
         # My piece of each parameter is the part inside my shard (often none, sometimes all of it): a 1-D view of
@@ -136,8 +139,16 @@ class ZeroDDP(nn.Module):
         self._queued, self._next, self._inflight, self._accumulate = False, 0, [], False
         self.require_backward_grad_sync = True  # DDP's name for it: off inside no_sync()
         self.broadcast_buffers, self.require_forward_param_sync = broadcast_buffers, True  # DDP's names too
+        self.gloo = dist.get_backend(self.group) == "gloo"  # see _scatter
+        # Stage 2's transients (full-size buckets of gradients, alive while they fill and travel) may take at most
+        # half of what sharding the gradients saves, or one bucket where a bucket is larger: so stage 2 keeps most
+        # of its saving on any model, overlapping as much communication with backward as that allows.
+        saved = sum((b.flat.numel() - b.grad.numel()) * b.flat.element_size() for b in self.buckets)
+        self._budget = max([saved // 2] + [b.flat.nbytes for b in self.buckets])
         for b in self.buckets:
-            for p in b.params:
+            for slot, p in enumerate(b.params):
+                if stage == 2:
+                    p.register_hook(functools.partial(self._grad_arriving, b, slot))
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b))
 
     @property
@@ -163,6 +174,17 @@ class ZeroDDP(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = True
+
+    def _grad_arriving(self, b, slot, grad):
+        """Stage 2, a tensor hook, just before autograd adds a parameter's gradient: a missing .grad becomes its
+        slot in the bucket's transient, so that backward writes the full gradients there, nothing copied."""
+        p = b.params[slot]
+        if self.require_backward_grad_sync and p.grad is None and grad is not None:
+            if b.transient is None:  # the bucket's first gradient
+                self._make_room(b)
+                b.transient = torch.zeros_like(b.flat)
+            p.grad = b.transient[b.offsets[slot] : b.offsets[slot] + p.numel()].view_as(p)
+        return grad
 
     def _on_grad_ready(self, bucket, p):
         """Runs inside backward, right after autograd accumulated p's gradient into p.grad."""
@@ -192,24 +214,46 @@ class ZeroDDP(nn.Module):
             for p, last in zip(b.params, b.grad[: b.used].split(b.numels)):
                 p.grad = last.view_as(p) if p.grad is None else p.grad.add_(last.view_as(p))
         self._take_gradients(b, b.grad)
-        self._sent(dist.all_reduce(b.grad, group=self.group, async_op=True), b)
+        self._sent(dist.all_reduce(b.grad, group=self.group, async_op=True), b, None)
 
     def _reduce_scatter(self, b):
         """Stage 2: the all-reduce's first half only. Each rank receives the mean of its own shard, into b.grad;
-        the whole bucket exists only while it travels (a transient, freed when the reduce-scatter is done)."""
-        full = torch.empty_like(b.flat)
-        self._take_gradients(b, full)
-        self._sent(reduce_scatter(b.grad, full, group=self.group, async_op=True), b)
+        the whole bucket exists only while it fills and travels (its transient, freed once it is sent)."""
+        full = self._transient_gradients(b)
+        self._sent(self._scatter(full, b.grad), b, full, b.grad)
 
     def _reduce_scatter_and_add(self, b):
         """Stage 2, a second backward before zero_grad(): the new mean of my shard arrives in a shard of its own,
         added to the last mean when it is there."""
-        full, new = torch.empty_like(b.flat), torch.empty_like(b.grad)
-        self._take_gradients(b, full)
-        self._sent(reduce_scatter(new, full, group=self.group, async_op=True), b, add=new)
+        full, new = self._transient_gradients(b), torch.empty_like(b.grad)
+        self._sent(self._scatter(full, new), b, full, new, add=True)
+
+    def _transient_gradients(self, b):
+        """Stage 2: the bucket's transient, times 1/N (before the sum, DDP's own multiply: no fp16 overflow, and DDP's
+        bits). Gradients that did not come through _grad_arriving (summed under no_sync) are copied in."""
+        if b.transient is None:  # no gradient came through the hook
+            self._make_room(b)
+            b.transient = torch.zeros_like(b.flat)
+        full, b.transient = b.transient, None
+        for p, view in zip(b.params, full[: b.used].split(b.numels)):
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad.reshape(-1))
+            p.grad = None  # the bucket has it now
+        return full.mul_(1 / self.world)
+
+    def _scatter(self, full, out):
+        if self.gloo:  # gloo has no reduce-scatter: its reduce_scatter_single all-reduces a copy of the whole
+            # buffer and keeps one chunk. The same all-reduce in place gives the same bits without the copy.
+            return dist.all_reduce(full, group=self.group, async_op=True)
+        return reduce_scatter(out, full, group=self.group, async_op=True)
+
+    def _make_room(self, b):
+        """Wait for the oldest transients in flight until b's fits in the budget beside the others."""
+        while self._inflight and sum(t[2].nbytes for t in self._inflight) + b.flat.nbytes > self._budget:
+            self._wait(self._inflight.pop(0))
 
     def _take_gradients(self, b, full):
-        """The bucket's gradients times 1/N into `full`, laid out as b.flat; autograd's copies are freed."""
+        """Stage 1: the bucket's gradients times 1/N into `full`, laid out as b.flat; autograd's copies are freed."""
         for p, view in zip(b.params, full[: b.used].split(b.numels)):
             if p.grad is None:  # no gradient on this rank: it counts as zero in the mean
                 view.zero_()
@@ -218,17 +262,16 @@ class ZeroDDP(nn.Module):
             p.grad = None  # the bucket has it now
         full[b.used :].zero_()
 
-    def _sent(self, work, b, add=None):
-        self._inflight.append((work, add, b))
-        if self.stage == 2 and len(self._inflight) > 2:  # at most two full-size transients alive at once
-            self._wait(self._inflight.pop(0))
+    def _sent(self, work, b, full, out=None, add=False):
+        self._inflight.append((work, b, full, out, add))  # full: stage 2's transient, alive until waited for
 
-    @staticmethod
-    def _wait(inflight):
-        work, add, bucket = inflight
+    def _wait(self, inflight):
+        work, b, full, out, add = inflight
         work.wait()
-        if add is not None:
-            bucket.grad.add_(add)
+        if out is not None and self.gloo:  # stage 2 on gloo: my shard of the all-reduced bucket
+            out.copy_(full[b.lo : b.hi])
+        if add:
+            b.grad.add_(out)
 
     def _finish(self):
         """End of backward: send the buckets whose gradients never came (unused parameters), then wait."""

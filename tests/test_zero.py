@@ -52,3 +52,10 @@ def test_script_end_to_end():
         assert peak[0] - peak[1] > 0.8 * (state[0] - state[1]), peak
         assert peak[1] - peak[2] > 0.5 * (grads[1] - grads[2]), peak
         assert sent[1] == pytest.approx(1.5 * sent[0], rel=0.01) and sent[2] == pytest.approx(sent[0], rel=0.01)
+
+
+def test_zero2_peak_below_zero1_on_every_shape():
+    """Few large layers (buckets of 25 MiB and more) and many small ones: ZeRO-2 keeps most of its saving (issue
+    #33: on few large layers it used to peak above ZeRO-1, its full-size transients outweighing the shards)."""
+    res = launch.run(launch.torchrun_cmd("tests/workers/zero_memory_worker.py", 2), timeout=180)
+    assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output
