@@ -107,14 +107,16 @@ def verdict(name, path, records, hangs, outputs, exitcodes, hang_s):
     first = [e for e in errors if "Connection closed" not in e[2]["message"]] or (errors if not any(hangs) else [])
     fails = [r for r in found if r["status"] == "fail"]
     if stub:
-        where = stub["where"]
+        where, default = stub["where"], os.path.join(HERE, f"{name}.py")
+        command = f"python exercises/check.py {name}" + ("" if path == default else f" --file {shown}")
         status, text = "not_implemented", (
-            f"NOT IMPLEMENTED {shown}: line {where['line']} still raises NotImplementedError. Open {shown}, read the "
-            f"docstring of {where['function']}, and write it; then run this command again.")
+            f"NOT IMPLEMENTED {shown}: {stub['name'] or where['function']} still raises NotImplementedError "
+            f"(line {where['line']}, in {where['function']}). Open {shown}, read its docstring and hints, write it, "
+            f"then run `{command}` again.")
     elif first:
         _, k, r = first[0]
         status, text = "error", f"ERROR {shown}: rank {k} raised {r['message']}{located(r)}" + (
-            f" (in {r['label']})" if r.get("label") else "") + error_hint(r["message"])
+            f" (during {r['label']})" if r.get("label") else "") + error_hint(r["message"])
     elif any(hangs):
         status, text = "hang", hang_line(shown, records, hangs, hang_s)
     elif fails:
@@ -166,7 +168,12 @@ def hang_line(shown, records, hangs, hang_s):
     line = (f"HANG {shown}: no progress for {hang_s:g} s" + (f" in {label}" if label else "") + ": "
             + "; ".join(places))
     codes = [h["where"]["code"] for h in hangs if h and h.get("where")]
-    if any("send(" in c and "isend(" not in c for c in codes):
+    if len(hangs) == 1:  # one process: no peer to wait for
+        where = hangs[0].get("where") if hangs[0] else None
+        line = (f"HANG {shown}: no progress for {hang_s:g} s" + (f" in {label}" if label else "")
+                + (f": still running at {place(where)}" if where else ""))
+        hint = "a loop that never ends? check its exit condition"
+    elif any("send(" in c and "isend(" not in c for c in codes):
         hint = ("dist.send blocks until the receiving rank has posted its receive; in a ring every rank sends "
                 "first, so nobody receives: post the receive with dist.irecv (or send with dist.isend) and then wait "
                 "for both")

@@ -81,15 +81,18 @@ def check_tree_broadcast(tree_broadcast):
                                "receives the data exactly once")
         _agree(problem, label)
     return [f"{len(cases)} cases on {world} ranks (every source, 3 dtypes, 4 shapes): equal to dist.broadcast, "
-            f"in place, the source sending {rounds} messages (ceil(log2 {world}) rounds)"]
+            f"in place, the source sending {rounds} message{'s' * (rounds != 1)} (ceil(log2 {world}) rounds)"]
+
+
+RELATIVE_TO_SRC = ("the tree must start at src: number the ranks relative to it, vrank = (rank - src) % N, and turn "
+                   "a partner's vrank back into a rank with (vrank + src) % N")
 
 
 def _broadcast_problem(x, inputs, results, src, rank):
     owner = next((k for k, t in enumerate(inputs) if torch.equal(x, t)), None)
     if owner is not None and owner != src and all(torch.equal(t, inputs[owner]) for t in results):
         return _problem(f"every rank holds rank {owner}'s tensor, not the source's (src={src})",
-                        "the tree must start at src: number the ranks relative to it, vrank = (rank - src) % N, "
-                        "and turn a partner's vrank back into a rank with (vrank + src) % N")
+                        RELATIVE_TO_SRC)
     if owner == rank:
         return _problem(f"this rank's tensor still holds its own values, not rank {src}'s: nothing was received "
                         "into it",
@@ -98,8 +101,7 @@ def _broadcast_problem(x, inputs, results, src, rank):
                         "in round k, vranks 2**k .. 2**(k+1)-1 receive)")
     if owner is not None:
         return _problem(f"this rank holds rank {owner}'s tensor, not the source's (src={src})",
-                        "the tree must start at src: number the ranks relative to it, vrank = (rank - src) % N, "
-                        "and turn a partner's vrank back into a rank with (vrank + src) % N")
+                        RELATIVE_TO_SRC)
     i = _first_difference(x, inputs[src])
     return _problem(f"element {i}: expected {_num(inputs[src].reshape(-1)[i])} (rank {src}'s), got "
                     f"{_num(x.reshape(-1)[i])}")
@@ -230,13 +232,15 @@ def ring_speed(ring_all_reduce, numel=1 << 20, rounds=5):
     measures every size). busbw = bytes / time * 2(N-1)/N, as nccl-tests define it."""
     world = dist.get_world_size()
     x = torch.zeros(numel)  # sums of zeros stay zero over many calls
+    impls = {"ring": ring_all_reduce, "library": _all_reduce}
     times = {"ring": [], "library": []}
     for i in range(rounds + 1):  # round 0 warms up and is not timed
-        for name in (["ring", "library"] if i % 2 else ["library", "ring"]):  # the order flips: noise hits both
+        order = ["ring", "library"] if i % 2 else ["library", "ring"]  # the order flips: noise hits both alike
+        for name in order:
             _barrier()
             t0 = time.perf_counter()
             with watching("the speed measurement"):
-                ring_all_reduce(x) if name == "ring" else _all_reduce(x)
+                impls[name](x)
             if i:
                 times[name].append(time.perf_counter() - t0)
     t = torch.tensor([times["ring"], times["library"]], dtype=torch.float64)
@@ -262,18 +266,22 @@ def check_sampler(DistributedSampler):
     for n, replicas, shuffle, seed, drop_last in sampler_grid():
         data = list(range(n))
         kw = dict(num_replicas=replicas, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        ours = [DistributedSampler(data, rank=r, **kw) for r in range(replicas)]
         refs = [torch.utils.data.DistributedSampler(data, rank=r, **kw) for r in range(replicas)]
-        first = [list(s) for s in ours]  # epoch 0, before any set_epoch
+        with watching(f"DistributedSampler(range({n}), num_replicas={replicas}, ...)"):
+            ours = [DistributedSampler(data, rank=r, **kw) for r in range(replicas)]
+            first = [list(s) for s in ours]  # epoch 0, before any set_epoch
         for epoch in (0, 1, 5):
             for s, ref in zip(ours, refs):
-                s.set_epoch(epoch)
                 ref.set_epoch(epoch)
-            got, want = [list(s) for s in ours], [list(ref) for ref in refs]
+                with watching(f"set_epoch({epoch})"):
+                    s.set_epoch(epoch)
+            want = [list(ref) for ref in refs]
+            with watching(f"iterating the samplers of range({n}) over {replicas} replicas, epoch {epoch}"):
+                got, lengths = [list(s) for s in ours], [len(s) for s in ours]
             for r in range(replicas):
                 call = (f"DistributedSampler(range({n}), num_replicas={replicas}, rank={r}, shuffle={shuffle}, "
                         f"seed={seed}, drop_last={drop_last}), epoch {epoch}")
-                problem = _sampler_problem(got, want, first, r, n, kw, epoch, len(ours[r]))
+                problem = _sampler_problem(got, want, first, r, n, kw, epoch, lengths[r])
                 if problem:
                     raise Failed(f"{call}: {problem}")
                 cases += 1
@@ -381,8 +389,8 @@ class _Run:
         self.local.zero_grad()
         for m in range(micros):
             x, y = batch(step, self.rank, m)
-            ctx = self.ref.no_sync() if m < micros - 1 else contextlib.nullcontext()
-            with ctx:
+            quiet = self.ref.no_sync() if m < micros - 1 else contextlib.nullcontext()
+            with quiet:
                 F.mse_loss(self.ref(x), y).backward()
             F.mse_loss(self.local(x), y).backward()
 
@@ -402,7 +410,7 @@ class _Run:
             if got is None:
                 problem = _problem(f"{name}.grad is None", "every parameter must hold its averaged gradient")
             elif not self._equal(got, want):
-                problem = _grad_problem(name, got, want, own, self.world, self.exact)
+                problem = _grad_problem(name, got, want, own, self.world)
             if problem:
                 break
         _agree(problem, label)
@@ -434,7 +442,7 @@ class _Run:
         return f"{what} equal to PyTorch's DistributedDataParallel's, {how}, on every rank"
 
 
-def _grad_problem(name, got, want, own, world, exact):
+def _grad_problem(name, got, want, own, world):
     def close(a, b):
         return torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
@@ -465,7 +473,7 @@ def check_average_gradients(average_gradients):
         run.opt.zero_grad()
         F.mse_loss(run.mine(x), y).backward()
         before = [p.detach().clone() for p in run.mine.parameters()]
-        with recording(), watching(label):
+        with watching(label):
             average_gradients(run.mine, world)
         run.compare(label, [p.detach() for p in run.mine.parameters()], before,
                     "average_gradients changed the weights", "before the call",
@@ -564,8 +572,9 @@ def check_buckets(wrapper_class):
         for m in range(micros):
             x, y = batch(step, rank, m)
             synced = m == micros - 1
+            quiet = contextlib.nullcontext() if synced else model.no_sync()
             with recording(ready) as rec, watching(label):
-                with contextlib.nullcontext() if synced else model.no_sync():
+                with quiet:
                     loss = F.mse_loss(model(x), y)
                     rec.phase = "backward"
                     loss.backward()
@@ -710,12 +719,14 @@ EXERCISES = {
 # --- one rank of the checker: join the group, load the file, grade it, say how it went ---
 def run_rank(name, path, rank, world, hang_s, speed=True):
     """Grade `path` as exercise `name` on this rank; return a record for check.py (a dict, JSON-ready)."""
-    exercise = EXERCISES[name]
+    exercise, obj = EXERCISES[name], None
     try:
         if world > 1:
-            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=hang_s + 30))
+            with watching("the start of the process group"):
+                dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=hang_s + 30))
         install_counters()  # before the file is loaded, so `from torch.distributed import send` is counted too
-        obj = load(path, exercise.names)
+        with watching("the import of your file"):
+            obj = load(path, exercise.names)
         info = exercise.check(obj)
         if speed and exercise.speed:
             info += exercise.speed(obj)
@@ -726,7 +737,7 @@ def run_rank(name, path, rank, world, hang_s, speed=True):
         frames = traceback.extract_tb(e.__traceback__)
         frame = _frame_in(frames, path)
         if isinstance(e, NotImplementedError) and frame is not None and frame is frames[-1]:
-            return {"status": "not_implemented", "where": _describe(frame)}
+            return {"status": "not_implemented", "where": _describe(frame), "name": getattr(obj, "__name__", None)}
         where = _describe(frame)
         if isinstance(e, SyntaxError):  # the file does not even compile: it has no frame of its own
             where = {"file": os.path.basename(e.filename or path), "line": e.lineno, "function": None,
@@ -775,7 +786,7 @@ _books = {}
 
 def _book():
     """A process group of our own for the verdicts, apart from the one the participant's messages use."""
-    key = id(c10d._get_default_group())
+    key = id(dist.group.WORLD)  # a new default group (the next init) needs a new one
     if key not in _books:
         _books[key] = dist.new_group(backend="gloo")
     return _books[key]
@@ -914,10 +925,12 @@ def _counted(op, fn):
         t = args[0] if args else next((v for v in kwargs.values() if torch.is_tensor(v)), None)
         if isinstance(t, list):  # all_gather's list of outputs: count its input instead
             t = args[1] if len(args) > 1 else kwargs.get("tensor")
-        async_op = kwargs.get("async_op", op in ("isend", "irecv"))
-        call = Call(op, t.numel() if torch.is_tensor(t) else 0, t.numel() * t.element_size() if torch.is_tensor(t)
-                    else 0, bool(async_op), rec.phase, rec.ready[0] if rec.ready else 0,
-                    t.detach().double().abs().sum().item() if op == "all_reduce" and torch.is_tensor(t) else 0.0)
+        if not torch.is_tensor(t):
+            t = torch.empty(0)
+        call = Call(op, t.numel(), t.numel() * t.element_size(),
+                    async_op=bool(kwargs.get("async_op", op in ("isend", "irecv"))), phase=rec.phase,
+                    ready=rec.ready[0] if rec.ready else 0,
+                    abs_sum=t.detach().double().abs().sum().item() if op == "all_reduce" else 0.0)
         rec.calls.append(call)
         rec.inside = True
         try:
