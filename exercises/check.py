@@ -183,7 +183,7 @@ def hang_line(shown, records, hangs, hang_s):
     else:
         hint = ("the ranks wait for messages that never come: every send needs a receive on its peer, and every "
                 "rank must call the same collectives in the same order")
-    return f"{line}\n  hint: {hint}"
+    return f"{line}\n  hint: {hint} (only slow, not stuck? --hang-s gives each call more time)"
 
 
 def place(w):
