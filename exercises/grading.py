@@ -710,8 +710,7 @@ EXERCISES = {
     "sampler": Exercise(("DistributedSampler",), 1, check_sampler, "04_sampler.py"),
     "ddp_naive": Exercise(("average_gradients",), 2, check_average_gradients, "05_manual_ddp_gpt2.py"),
     "ddp_overlap": Exercise(("OverlapDDP",), 2, check_overlap, "tests/exercise_solutions/ddp_overlap.py"),
-    # ManualDDP: 05's class until its core is carved out under the name DDPCore.
-    "ddp_buckets": Exercise(("DDPCore", "ManualDDP"), 2, check_buckets, "05_manual_ddp_gpt2.py"),
+    "ddp_buckets": Exercise(("DDPCore",), 2, check_buckets, "05_manual_ddp_gpt2.py"),
     "zero1": Exercise(("ZeroDDP",), 2, check_zero1, "07_zero.py"),
 }
 
