@@ -359,6 +359,16 @@ def load_texts(args, local_rank):
     return texts
 
 
+def stop_together(problem):
+    """Every rank raises the first problem (a line, or None) that any rank found. A rank that stopped alone would
+    leave the others waiting in their next collective, and under torchrun the first rank out gets the others
+    killed, maybe before rank 0 has said why."""
+    problems = [None] * WORLD
+    dist.all_gather_object(problems, problem)
+    if any(problems):
+        raise UsageError(next(p for p in problems if p))
+
+
 def tokenize(texts, tok):
     """One long stream of token ids, documents separated by end-of-text."""
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
@@ -405,11 +415,12 @@ def build_model(args, device):
     if args.model:
         try:
             tok, cfg = AutoTokenizer.from_pretrained(args.model), AutoConfig.from_pretrained(args.model)
-        except Exception as e:  # missing, empty, a broken config: one line, on every rank alike
+        except Exception as e:  # missing, empty, a broken config
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise UsageError(f"cannot load --model {args.model!r}: {reason}") from None
-        if len(tok) < 2 or not tok("a b").input_ids:  # transformers returns an empty one when there is none
-            raise UsageError(f"--model {args.model!r} has no tokenizer: save one beside the model (tokenizer.json)")
+            problem = f"cannot load --model {args.model!r}: {reason}"
+        else:
+            problem = tokenizer_problem(args.model, tok, cfg)
+        stop_together(problem)  # before the weights load
     else:
         tok = byte_tokenizer()
         # gelu_pytorch_tanh: the same function as GPT-2's gelu_new, as one fused kernel instead of ~8 on a GPU.
@@ -437,6 +448,21 @@ def build_model(args, device):
         torch.manual_seed(args.seed)
         model = GPT2LMHeadModel(cfg)
     return tok, model
+
+
+def tokenizer_problem(name, tok, cfg):
+    """Why --model's own tokenizer cannot feed its model, or None. Every id the tokenizer gives needs a row in the
+    embedding: one beyond it fails only when a batch first holds it (an IndexError, maybe hundreds of steps in).
+    An embedding larger than the tokenizer is common (rounded up for speed) and fine."""
+    if len(tok) < 2 or not tok("a b").input_ids:  # transformers returns an empty one when there is none
+        return f"--model {name!r} has no tokenizer: save one beside the model (tokenizer.json)"
+    beyond = sorted((i, t) for t, i in tok.get_vocab().items() if i >= cfg.vocab_size)
+    if not beyond:
+        return None
+    named = ", ".join(f"{t!r} (id {i})" for i, t in beyond[:3]) + (" ..." if len(beyond) > 3 else "")
+    return (f"--model {name!r}: its tokenizer has {len(tok):,} tokens, its embedding {cfg.vocab_size:,} rows, so "
+            f"{named} would index past it: save the model's own tokenizer beside it, or grow the embedding "
+            "(model.resize_token_embeddings)")
 
 
 def check_memory(nbytes, what, device):
