@@ -337,6 +337,15 @@ def load_texts(args, local_rank):
         files = sorted(f for f in glob.glob(os.path.join(args.dataset, "**", "*"), recursive=True) if os.path.isfile(f))
     else:
         files = sorted(glob.glob(args.dataset))
+    if files:  # every rank reads its own: nodes may hold different copies
+        files, binary, problem = text_files(files)
+        if not files and binary and not problem:
+            problem = (f"no text: {binary[0][0]} is binary (a NUL byte at offset {binary[0][1]:,})"
+                       + (f", and {len(binary) - 1} more" if len(binary) > 1 else ""))
+        stop_together(f"--dataset {args.dataset!r}: {problem}" if problem else None)
+        if binary:  # a picture or a .DS_Store beside the text: what a user means is the text
+            print0(f"note: --dataset {args.dataset!r}: skipped {len(binary)} binary file(s): "
+                   + ", ".join(path for path, _ in binary[:3]) + (" ..." if len(binary) > 3 else ""))
     # Local rank 0 of each node builds the datasets cache first; the others then read it instead of racing.
     if local_rank != 0:
         dist.barrier()
@@ -346,8 +355,12 @@ def load_texts(args, local_rank):
         else:
             ds = datasets.load_dataset(args.dataset, args.dataset_config, split=args.split)
     except Exception as e:  # offline, misspelt, private...: say so in one line on every rank
-        raise UsageError(f"--dataset {args.dataset!r}: no local files match, and loading it as a Hugging Face "
-                         f"dataset failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:160]})") from None
+        while files and e.__cause__ is not None:  # datasets wraps what went wrong in a file: name that
+            e = e.__cause__
+        reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+        failed = ("datasets could not read its files" if files else
+                  "no local files match, and loading it as a Hugging Face dataset failed")
+        raise UsageError(f"--dataset {args.dataset!r}: {failed} ({reason})") from None
     finally:
         if local_rank == 0:
             dist.barrier()
@@ -367,6 +380,38 @@ def stop_together(problem):
     dist.all_gather_object(problems, problem)
     if any(problems):
         raise UsageError(next(p for p in problems if p))
+
+
+def text_files(files):
+    """(the files to read as text, [(binary file, offset of its first NUL byte)], the first problem or None).
+
+    A NUL byte in the first 8000 bytes marks a binary file, as git decides. Any other file must be UTF-8 throughout:
+    read in another encoding it would teach the model wrong characters, and datasets would stop on it without
+    naming it. Archives and compressed files (gzip, zip, ...) are left to datasets, which opens them."""
+    from datasets.utils.extract import Extractor
+    text, binary = [], []
+    for path in files:
+        try:
+            if Extractor.infer_extractor_format(path):
+                text.append(path)
+                continue
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            return text, binary, f"cannot read {path} ({e.strerror or type(e).__name__})"
+        if data.startswith((b"\xff\xfe", b"\xfe\xff")):  # its byte-order mark; its ASCII holds NUL bytes
+            return text, binary, f"{path} is UTF-16 text, not UTF-8: convert it (iconv -f UTF-16 -t UTF-8)"
+        if b"\0" in data[:8000]:
+            binary.append((path, data.index(b"\0")))
+            continue
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            return text, binary, (f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start:,}, "
+                                  f"line {line:,}): convert it, e.g. iconv -f LATIN1 -t UTF-8")
+        text.append(path)
+    return text, binary, None
 
 
 def tokenize(texts, tok):
