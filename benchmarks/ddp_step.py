@@ -1,4 +1,5 @@
-"""Benchmark: one GPT-2 training step through 05's ManualDDP, the naive tutorial DDP, PyTorch's DDP, and no DDP.
+"""Benchmark: one GPT-2 training step through 05's DDP (--impl manual: DDPCore), the naive tutorial DDP, PyTorch's
+DDP, and no DDP.
 
   torchrun --nproc_per_node=2 benchmarks/ddp_step.py --json ddp.json --plot ddp.png
   torchrun --nproc_per_node=2 benchmarks/ddp_step.py --model-size 124m --compile     (where communication matters)
