@@ -60,16 +60,18 @@ def load_data(args, local_rank):
     tf = T.Compose([T.ToTensor(), T.Normalize((MNIST_MEAN,), (MNIST_STD,))])
     # Local rank 0 of each node downloads (if needed) while the others wait, so no two processes write the
     # same files. Then every rank learns whether it worked: a rank left waiting in a collective would hang.
+    raw = os.path.join(args.data_dir, "MNIST", "raw")
     error = ""
     if local_rank == 0:
         try:
-            D.MNIST(args.data_dir, train=True, download=True)
-            D.MNIST(args.data_dir, train=False, download=True)
+            error = mnist_problem(raw) or ""  # files there but wrong: name the file, download nothing over it
+            if not error:
+                D.MNIST(args.data_dir, train=True, download=True)
+                D.MNIST(args.data_dir, train=False, download=True)
         except Exception as e:  # offline, proxy, disk full, damaged files...
             error = (str(e).strip().splitlines() or [type(e).__name__])[0]
     errors = [None] * WORLD
     dist.all_gather_object(errors, error)
-    raw = os.path.join(args.data_dir, "MNIST", "raw")
     if any(errors) and os.path.isdir(raw) and os.listdir(raw):  # there, but damaged or incomplete
         raise UsageError(f"the MNIST files in {raw} do not load ({next(e for e in errors if e)}): delete them to "
                          "download them again")
@@ -78,8 +80,10 @@ def load_data(args, local_rank):
                          f"({next(e for e in errors if e)}). Put the four MNIST files in {raw}, or run a smoke "
                          "test with --dataset fake")
     try:  # on other nodes the files may be damaged too (a copy cut short): every rank finds out, one says it
-        train, val = D.MNIST(args.data_dir, train=True, transform=tf), D.MNIST(args.data_dir, train=False, transform=tf)
-        error = ""
+        error = mnist_problem(raw) or ""
+        if not error:
+            train = D.MNIST(args.data_dir, train=True, transform=tf)
+            val = D.MNIST(args.data_dir, train=False, transform=tf)
     except Exception as e:
         error = f"{type(e).__name__} {str(e).strip()[:120]}".strip()
     dist.all_gather_object(errors, error)
@@ -87,6 +91,40 @@ def load_data(args, local_rank):
         raise UsageError(f"the MNIST files in {raw} do not load ({next(e for e in errors if e)}): delete them to "
                          "download them again")
     return first(train, args.max_train_samples), first(val, args.max_val_samples)
+
+
+def mnist_problem(raw):
+    """What is wrong with the MNIST files in `raw`, in a line naming the file, or None (also when one is missing:
+    torchvision downloads them). torchvision reads each IDX file alone: images and labels that disagree in count
+    load, and training stops with an IndexError at the first missing label; a label past 9, in the loss."""
+    for split in ("train", "t10k"):
+        count = {}
+        for kind, magic, shape in (("images", 0x803, (28, 28)), ("labels", 0x801, ())):
+            name = f"{split}-{kind}-idx{1 + len(shape)}-ubyte"
+            path = os.path.join(raw, name)
+            if not os.path.isfile(path):
+                return None
+            header = 8 + 4 * len(shape)  # big-endian uint32s: the magic number, the count, each further dimension
+            with open(path, "rb") as f:
+                data = f.read(header) if shape else f.read()  # the labels whole (60 kB), to check each one
+            if len(data) < header:
+                return f"{name} is cut short: {len(data)} bytes, less than its header"
+            found, n, *dims = (int.from_bytes(data[k:k + 4], "big") for k in range(0, header, 4))
+            if found != magic:
+                return f"{name} is not an IDX file of {kind}: its magic number is 0x{found:08x}, not 0x{magic:08x}"
+            if tuple(dims) != shape:
+                return f"{name} holds {' x '.join(map(str, dims))} images, not MNIST's 28 x 28"
+            size, expected = os.path.getsize(path), header + n * math.prod(shape)
+            if size != expected:
+                return f"{name} has {size:,} bytes, but its header promises {expected:,} ({n:,} {kind})"
+            if not shape and max(data[header:], default=0) > 9:
+                at = next(i for i, label in enumerate(data[header:]) if label > 9)
+                return f"{name} holds label {data[header + at]} at index {at:,}, outside MNIST's 0-9"
+            count[kind] = n
+        if count["images"] != count["labels"]:
+            return (f"{split}-images-idx3-ubyte holds {count['images']:,} images but {split}-labels-idx1-ubyte "
+                    f"{count['labels']:,} labels")
+    return None
 
 
 # Seven-segment digits: each segment a stroke from (x0, y0) to (x1, y1) in a unit box, y pointing down.
