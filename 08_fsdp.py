@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -759,6 +760,15 @@ class UsageError(Exception):
     """Bad input: one line on rank 0 (`error: ...`), exit status 2, no traceback."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or SIGTERM, raised in the main thread, so the run unwinds through its own cleanup (nothing is
+    left half-written). Code that knows where the run stopped sets `where` for run()'s one line."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.where = signum, ""
+
+
 def print0(*msg):  # the rank-0 narrative: printed once, not N times
     if RANK == 0:
         print(*msg, flush=True)
@@ -837,28 +847,63 @@ def setup(args, min_world=2):
 
 
 def run(main, parse_args):
-    """Bad input: one line on rank 0, exit 2. A peer that died or timed out: one line per survivor, exit 1."""
+    """Bad input: one line on rank 0, exit 2. A peer that died or timed out: one line per survivor, exit 1.
+    Ctrl-C or SIGTERM: one line on rank 0, and the process ends by that signal, as a shell expects (130, 143)."""
+    # SIGTERM (a scheduler's, or torchrun passing on the Ctrl-C it got) stops a run the way Ctrl-C does.
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     code = 0
-    try:
-        main(parse_args())
-    except UsageError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank stops alike; one says why
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        code = 2
-    except RuntimeError as e:  # NCCL raises DistError; gloo, RuntimeErrors from torch.distributed or its transport
-        where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
-        if not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where or "gloo/" in text):
-            raise  # a bug in this rank's own code keeps its traceback
-        what = "timed out waiting for a peer" if "timed out" in text.lower() else "lost a peer"
-        log(f"error: {what} ({text.strip().splitlines()[0][:160]})")
-        os._exit(1)  # no teardown: it would wait for the dead peer
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        # gloo's threads may still hold the last reference to a finished collective; freeing it takes the GIL,
-        # which no thread gets once the interpreter is finalising ("terminate called without an active
-        # exception", SIGABRT). A moment here lets them finish first.
-        time.sleep(0.05)
+    try:  # the outer try: a signal may land anywhere, even while the inner one reports a lost peer
+        try:
+            main(parse_args())
+        except UsageError as e:
+            if os.environ.get("RANK", "0") == "0":  # every rank stops alike; one says why
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            code = 2
+        except RuntimeError as e:  # NCCL raises DistError; gloo, RuntimeErrors from torch.distributed or its transport
+            where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
+            if signalled(e) or not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where
+                                    or "gloo/" in text):
+                raise  # a bug in this rank's own code keeps its traceback; a signal goes to the outer try
+            what = "timed out waiting for a peer" if "timed out" in text.lower() else "lost a peer"
+            log(f"error: {what} ({text.strip().splitlines()[0][:160]})")
+            os._exit(1)  # no teardown: it would wait for the dead peer
+        if dist.is_initialized():
+            dist.destroy_process_group()
+            # gloo's threads may still hold the last reference to a finished collective; freeing it takes the GIL,
+            # which no thread gets once the interpreter is finalising ("terminate called without an active
+            # exception", SIGABRT). A moment here lets them finish first.
+            time.sleep(0.05)
+    except BaseException as e:
+        stop = signalled(e)
+        if stop is None:
+            raise
+        if os.environ.get("RANK", "0") == "0":  # every rank got the signal (torchrun passes it on); one says where
+            where = f" {stop.where}" if stop.where else ""
+            print(f"interrupted by {stop}{where}", file=sys.stderr, flush=True)
+        end_by_signal(stop.signum)  # no teardown: the peers are stopping too
     sys.exit(code)
+
+
+def signalled(e):
+    """The Interrupted behind exception `e`, or None. A signal that lands inside a library can come back as that
+    library's own error, raised while handling it (torch.save's "unexpected pos" when its write was cut short)."""
+    while e is not None and not isinstance(e, Interrupted):
+        e = e.__context__
+    return e
+
+
+def interrupt(signum, frame):
+    # Only the first signal: a second Ctrl-C must not cut the way out (cleanup, the one line) short with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def end_by_signal(signum):
+    """End this process as the signal would have: its parent (a shell, torchrun) sees an interrupt, not a failure."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 if __name__ == "__main__":
