@@ -659,67 +659,72 @@ def train(args, device, local_rank):
             on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(args.profile, f"trace_rank{RANK}.json"))))
     losses, first_loss, last_loss, t_log = [], None, None, time.perf_counter()
     model.train()
-    with profiler:
-        for step in range(start, args.max_steps):
-            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-            if step == args.crash_at_step and RANK == WORLD - 1 and first_attempt:
-                log(f"--crash-at-step {step}: SIGKILL to myself (first attempt only)")
-                os.kill(os.getpid(), signal.SIGKILL)
-            # Dropout (if the model has any) should differ across ranks like the data does, and a resumed run
-            # must replay the same masks: so seed from (seed, step, rank) instead of saving RNG states.
-            torch.manual_seed(args.seed + SEED_STRIDE * step + RANK)
-            step_loss = torch.zeros((), device=device)
-            for micro in range(args.grad_accum):
-                batch = next(batches).to(device, non_blocking=True)
-                # Accumulate locally on all but the last micro-batch: one all-reduce per optimizer step. (The
-                # attribute no_sync() sets; written directly, as nanoGPT does, it reads as the schedule it is.)
-                if args.impl != "naive":
-                    ddp.require_backward_grad_sync = micro == args.grad_accum - 1
-                # use_cache=False: training reads no KV cache; Hugging Face would build one every forward (and
-                # under --compile, each block would recompile on the state of its own cache layer).
-                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    logits = ddp(input_ids=batch[:, :-1], use_cache=False).logits
-                loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-                scaler.scale(loss / args.grad_accum).backward()
-                step_loss += loss.detach() / args.grad_accum
-            if args.impl == "naive":
-                average_gradients(model, WORLD)
-            # Here every .grad already holds the mean over ranks, so clipping sees the global gradient and
-            # every rank clips by the same factor. Under fp16 the gradients must be unscaled first.
-            if args.max_grad_norm > 0:
-                scaler.unscale_(opt)
-                nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            scaler.step(opt)
-            scaler.update()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(step_loss)
-            if args.profile:
-                prof.step()
-            bar.update(1)
-            if args.out and (step + 1) % args.ckpt_every == 0:
-                if RANK == 0:
-                    save_checkpoint(args.out, step + 1, {
+    step = start
+    try:
+        with profiler:
+            for step in range(start, args.max_steps):
+                first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+                if step == args.crash_at_step and RANK == WORLD - 1 and first_attempt:
+                    log(f"--crash-at-step {step}: SIGKILL to myself (first attempt only)")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                # Dropout (if the model has any) should differ across ranks like the data does, and a resumed run
+                # must replay the same masks: so seed from (seed, step, rank) instead of saving RNG states.
+                torch.manual_seed(args.seed + SEED_STRIDE * step + RANK)
+                step_loss = torch.zeros((), device=device)
+                for micro in range(args.grad_accum):
+                    batch = next(batches).to(device, non_blocking=True)
+                    # Accumulate locally on all but the last micro-batch: one all-reduce per optimizer step. (The
+                    # attribute no_sync() sets; written directly, as nanoGPT does, it reads as the schedule it is.)
+                    if args.impl != "naive":
+                        ddp.require_backward_grad_sync = micro == args.grad_accum - 1
+                    # use_cache=False: training reads no KV cache; Hugging Face would build one every forward (and
+                    # under --compile, each block would recompile on the state of its own cache layer).
+                    with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                        logits = ddp(input_ids=batch[:, :-1], use_cache=False).logits
+                    loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+                    scaler.scale(loss / args.grad_accum).backward()
+                    step_loss += loss.detach() / args.grad_accum
+                if args.impl == "naive":
+                    average_gradients(model, WORLD)
+                # Here every .grad already holds the mean over ranks, so clipping sees the global gradient and
+                # every rank clips by the same factor. Under fp16 the gradients must be unscaled first.
+                if args.max_grad_norm > 0:
+                    scaler.unscale_(opt)
+                    nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                scaler.step(opt)
+                scaler.update()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(step_loss)
+                if args.profile:
+                    prof.step()
+                bar.update(1)
+                # The end of training is a checkpoint too: a larger --max-steps continues from it.
+                if args.out and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.max_steps):
+                    on_rank_0(save_checkpoint, args.out, step + 1, {
                         "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                         "scaler": scaler.state_dict(), "step": step + 1, "world_size": WORLD,
                         "max_steps": args.max_steps}, args.keep_checkpoints)
                     say(f"saved {args.out}/checkpoint-{step + 1}")
-            if (step + 1) % args.log_every == 0 or step in (start, args.max_steps - 1):
-                # Loss of all ranks, not rank 0's alone: SUM of per-rank means, divided by N.
-                mean = torch.stack(losses).mean()
-                dist.all_reduce(mean)
-                last_loss = mean.item() / WORLD
-                if not math.isfinite(last_loss):  # every rank holds the same mean: all stop here, together
-                    raise UsageError(f"training diverged: loss {last_loss} at step {step + 1} (try a smaller --lr)")
-                first_loss = last_loss if first_loss is None else first_loss
-                dt = (time.perf_counter() - t_log) / len(losses)
-                line = (f"step {step + 1:>5}/{args.max_steps} | loss {last_loss:7.4f} "
-                        f"| lr {sched.get_last_lr()[0]:.2e} | {dt * 1e3:7.1f} ms/step "
-                        f"| {tokens_per_step / dt:9,.0f} tok/s | {flops_per_step / dt / 1e12:6.2f} TFLOP/s")
-                if peak:  # model FLOP utilisation: the share of the GPUs' peak the model's own work reaches
-                    line += f" | MFU {flops_per_step / dt / 1e12 / (peak * WORLD):.1%}"
-                say(line)
-                losses, t_log = [], time.perf_counter()
+                if (step + 1) % args.log_every == 0 or step in (start, args.max_steps - 1):
+                    # Loss of all ranks, not rank 0's alone: SUM of per-rank means, divided by N.
+                    mean = torch.stack(losses).mean()
+                    dist.all_reduce(mean)
+                    last_loss = mean.item() / WORLD
+                    if not math.isfinite(last_loss):  # every rank holds the same mean: all stop here, together
+                        raise UsageError(f"training diverged: loss {last_loss} at step {step + 1} (try a smaller --lr)")
+                    first_loss = last_loss if first_loss is None else first_loss
+                    dt = (time.perf_counter() - t_log) / len(losses)
+                    line = (f"step {step + 1:>5}/{args.max_steps} | loss {last_loss:7.4f} "
+                            f"| lr {sched.get_last_lr()[0]:.2e} | {dt * 1e3:7.1f} ms/step "
+                            f"| {tokens_per_step / dt:9,.0f} tok/s | {flops_per_step / dt / 1e12:6.2f} TFLOP/s")
+                    if peak:  # model FLOP utilisation: the share of the GPUs' peak the model's own work reaches
+                        line += f" | MFU {flops_per_step / dt / 1e12 / (peak * WORLD):.1%}"
+                    say(line)
+                    losses, t_log = [], time.perf_counter()
+    except Interrupted as stop:  # Ctrl-C or SIGTERM: run() prints where, once, and what is on disk
+        stop.where = f"at step {step + 1}; {newest_checkpoint(args.out)}"
+        raise
     bar.close()
     return tok, model, first_loss, last_loss
 
@@ -733,9 +738,8 @@ def finish(args, tok, model, device, first_loss, last_loss):
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     if not same[1].item():  # NaN equals nothing, itself included: say what really happened
         raise UsageError("training diverged: the weights are not finite (try a smaller --lr)")
-    if args.out and RANK == 0:  # global rank 0 only: one writer
-        model.save_pretrained(args.out)
-        tok.save_pretrained(args.out)
+    if args.out:  # global rank 0 writes (one writer); every rank learns whether it could
+        on_rank_0(save_model, args.out, model, tok)
         print0(f"saved model and tokenizer to {args.out} (AutoModelForCausalLM.from_pretrained loads it)")
     if RANK == 0 and args.sample_tokens > 0:
         sample(args, tok, model, device)
@@ -746,7 +750,19 @@ def finish(args, tok, model, device, first_loss, last_loss):
         print0(f"OK {args.impl} DDP on {WORLD} rank(s): replicas identical; "
                f"loss {trend} {first_loss:.4f} -> {last_loss:.4f}")
     else:
-        print0(f"OK {args.impl} DDP on {WORLD} rank(s): nothing left to train (resumed at --max-steps)")
+        print0(f"OK {args.impl} DDP on {WORLD} rank(s): nothing left to train (resumed at --max-steps "
+               f"{args.max_steps} or past it)")
+
+
+def save_model(out, model, tok):
+    """Global rank 0: the model and tokenizer as from_pretrained loads them, written aside and then moved in, so
+    that a full disk or Ctrl-C never leaves half a model (the final checkpoint holds it: rerun to save it)."""
+    with written_aside(out, "model", tensor_bytes(model.state_dict())) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    for name in os.listdir(tmp):
+        os.replace(os.path.join(tmp, name), os.path.join(out, name))
+    os.rmdir(tmp)
 
 
 def sample(args, tok, model, device):
@@ -1341,16 +1357,20 @@ def claim(out, owner):
     left: owner.json says who writes here. Returns the open lock file: keep it for the whole run."""
     lock, error = None, [None]
     if RANK == 0:
-        os.makedirs(out, exist_ok=True)
         path = os.path.join(out, ".lock")
-        existed, lock = os.path.exists(path), open(path, "a")
         try:
+            os.makedirs(out, exist_ok=True)
+            existed, lock = os.path.exists(path), open(path, "a")
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             error[0] = not_ours(out, owner)
             if error[0] and not existed:  # leave a directory that is not ours as we found it
                 os.remove(path)
         except BlockingIOError:
             error[0] = f"--out {out} is in use by another run (it holds {out}/.lock): wait for it or pick another"
+        except UsageError as e:  # owner.json did not fit on the disk
+            error[0] = str(e)
+        except OSError as e:  # a read-only or full disk: one line for every rank, not a traceback on rank 0
+            error[0] = f"cannot write to --out {out}: {e.strerror}"
     dist.broadcast_object_list(error, src=0)
     if error[0]:
         raise UsageError(error[0])
@@ -1365,9 +1385,12 @@ def not_ours(out, owner):
         if theirs:
             return (f"--out {out} holds files that no run of {owner['script']} wrote ({', '.join(theirs[:3])}"
                     f"{', ...' if len(theirs) > 3 else ''}): pick a new or empty directory")
-        with open(path + ".tmp", "w") as f:
-            json.dump(owner, f, indent=1)
-        os.replace(path + ".tmp", path)
+        text = json.dumps(owner, indent=1)
+        with written_aside(out, "owner.json", len(text)) as tmp:
+            with open(os.path.join(tmp, "owner.json"), "w") as f:
+                f.write(text)
+        os.replace(os.path.join(tmp, "owner.json"), path)
+        os.rmdir(tmp)
         return None
     try:
         with open(path) as f:
@@ -1425,21 +1448,97 @@ def resume_state(out):
 
 
 def save_checkpoint(out, step, state, keep):
-    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it).
+    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it): call it
+    through on_rank_0, so that every rank learns whether it could.
 
     Written into a temporary directory, fsynced, then renamed: a crash mid-write leaves the previous
     checkpoint intact and never a half-written one under a checkpoint-STEP name.
     """
-    final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
-    os.makedirs(tmp, exist_ok=True)
-    with open(os.path.join(tmp, "state.pt"), "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    with written_aside(out, f"checkpoint-{step}", tensor_bytes(state)) as tmp:
+        with open(os.path.join(tmp, "state.pt"), "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(out, f"checkpoint-{step}"))
     # Prune: the newest `keep` checkpoints stay, and so does nothing a crash may have left half-written.
-    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-checkpoint-")]:
+    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-")]:
         shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+
+
+def on_rank_0(write, *args):
+    """Every rank calls it; global rank 0 runs write(*args). If that fails in one line (a full disk), every rank
+    stops with that line: alone, rank 0 would stop and the others report a lost peer at their next collective."""
+    error = [None]
+    if RANK == 0:
+        try:
+            write(*args)
+        except UsageError as e:
+            error[0] = str(e)
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UsageError(error[0])
+
+
+@contextlib.contextmanager
+def written_aside(out, name, needed):
+    """A new temporary directory in `out` to write `name` into, which the caller then moves into place. Whatever
+    stops the write (a full disk, Ctrl-C) removes it, so nothing half-written is left; a write the system refused
+    becomes one line naming the directory and the space it needs (`needed`, in bytes)."""
+    tmp = os.path.join(out, f".tmp-{name}")
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        yield tmp
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if signalled(e):  # Ctrl-C mid-write, which torch.save may report as an error of its own
+            raise signalled(e) from None
+        reason = refused_write(e)
+        if reason is None:
+            raise  # not the disk's doing: a bug keeps its traceback
+        free = shutil.disk_usage(out).free if os.path.isdir(out) else 0
+        raise UsageError(f"cannot write {name} to {out}: {reason}: it needs about {size(needed)}, {size(free)} is "
+                         f"free there. Make room; {newest_checkpoint(out)}") from None
+
+
+def refused_write(e):
+    """Why the system refused a write (no space, a quota, an I/O error), from the exception or its causes, or None.
+    torch.save raises a RuntimeError in the course of handling the OSError; safetensors' writer (save_pretrained)
+    gives only the text of it ("I/O error: No space left on device (os error 28)")."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e.strerror or str(e)
+        if "(os error " in str(e):
+            return str(e).rsplit(": ", 1)[-1].split(" (os error ")[0]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def tensor_bytes(state):
+    """About what torch.save writes for `state`: every tensor's storage once (tied weights share one)."""
+    storages, todo = {}, [state]
+    while todo:
+        x = todo.pop()
+        if torch.is_tensor(x):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+    return sum(storages.values())
+
+
+def size(n):
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
+def newest_checkpoint(out):
+    """What a run that stops early leaves behind, and how to go on: the end of its one line."""
+    names = checkpoints(out) if out and os.path.isdir(out) else []
+    if names:
+        return f"the newest checkpoint is {os.path.join(out, names[-1])}; rerun the same command to resume"
+    if out:
+        return f"{out} holds no checkpoint yet; rerun the same command to start again"
+    return "nothing was saved (no --out)"
 
 
 # --- command line ---

@@ -17,6 +17,7 @@ Run it (MNIST is downloaded into --data-dir on first use; --dataset fake draws i
 """
 
 import argparse
+import contextlib
 import fcntl
 import functools
 import json
@@ -213,16 +214,20 @@ def claim(out, owner):
     left: owner.json says who writes here. Returns the open lock file: keep it for the whole run."""
     lock, error = None, [None]
     if RANK == 0:
-        os.makedirs(out, exist_ok=True)
         path = os.path.join(out, ".lock")
-        existed, lock = os.path.exists(path), open(path, "a")
         try:
+            os.makedirs(out, exist_ok=True)
+            existed, lock = os.path.exists(path), open(path, "a")
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             error[0] = not_ours(out, owner)
             if error[0] and not existed:  # leave a directory that is not ours as we found it
                 os.remove(path)
         except BlockingIOError:
             error[0] = f"--out {out} is in use by another run (it holds {out}/.lock): wait for it or pick another"
+        except UsageError as e:  # owner.json did not fit on the disk
+            error[0] = str(e)
+        except OSError as e:  # a read-only or full disk: one line for every rank, not a traceback on rank 0
+            error[0] = f"cannot write to --out {out}: {e.strerror}"
     dist.broadcast_object_list(error, src=0)
     if error[0]:
         raise UsageError(error[0])
@@ -237,9 +242,12 @@ def not_ours(out, owner):
         if theirs:
             return (f"--out {out} holds files that no run of {owner['script']} wrote ({', '.join(theirs[:3])}"
                     f"{', ...' if len(theirs) > 3 else ''}): pick a new or empty directory")
-        with open(path + ".tmp", "w") as f:
-            json.dump(owner, f, indent=1)
-        os.replace(path + ".tmp", path)
+        text = json.dumps(owner, indent=1)
+        with written_aside(out, "owner.json", len(text)) as tmp:
+            with open(os.path.join(tmp, "owner.json"), "w") as f:
+                f.write(text)
+        os.replace(os.path.join(tmp, "owner.json"), path)
+        os.rmdir(tmp)
         return None
     try:
         with open(path) as f:
@@ -297,21 +305,97 @@ def resume_state(out):
 
 
 def save_checkpoint(out, step, state, keep):
-    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it).
+    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it): call it
+    through on_rank_0, so that every rank learns whether it could.
 
     Written into a temporary directory, fsynced, then renamed: a crash mid-write leaves the previous
     checkpoint intact and never a half-written one under a checkpoint-STEP name.
     """
-    final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
-    os.makedirs(tmp, exist_ok=True)
-    with open(os.path.join(tmp, "state.pt"), "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    with written_aside(out, f"checkpoint-{step}", tensor_bytes(state)) as tmp:
+        with open(os.path.join(tmp, "state.pt"), "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(out, f"checkpoint-{step}"))
     # Prune: the newest `keep` checkpoints stay, and so does nothing a crash may have left half-written.
-    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-checkpoint-")]:
+    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-")]:
         shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+
+
+def on_rank_0(write, *args):
+    """Every rank calls it; global rank 0 runs write(*args). If that fails in one line (a full disk), every rank
+    stops with that line: alone, rank 0 would stop and the others report a lost peer at their next collective."""
+    error = [None]
+    if RANK == 0:
+        try:
+            write(*args)
+        except UsageError as e:
+            error[0] = str(e)
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UsageError(error[0])
+
+
+@contextlib.contextmanager
+def written_aside(out, name, needed):
+    """A new temporary directory in `out` to write `name` into, which the caller then moves into place. Whatever
+    stops the write (a full disk, Ctrl-C) removes it, so nothing half-written is left; a write the system refused
+    becomes one line naming the directory and the space it needs (`needed`, in bytes)."""
+    tmp = os.path.join(out, f".tmp-{name}")
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        yield tmp
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if signalled(e):  # Ctrl-C mid-write, which torch.save may report as an error of its own
+            raise signalled(e) from None
+        reason = refused_write(e)
+        if reason is None:
+            raise  # not the disk's doing: a bug keeps its traceback
+        free = shutil.disk_usage(out).free if os.path.isdir(out) else 0
+        raise UsageError(f"cannot write {name} to {out}: {reason}: it needs about {size(needed)}, {size(free)} is "
+                         f"free there. Make room; {newest_checkpoint(out)}") from None
+
+
+def refused_write(e):
+    """Why the system refused a write (no space, a quota, an I/O error), from the exception or its causes, or None.
+    torch.save raises a RuntimeError in the course of handling the OSError; safetensors' writer (save_pretrained)
+    gives only the text of it ("I/O error: No space left on device (os error 28)")."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e.strerror or str(e)
+        if "(os error " in str(e):
+            return str(e).rsplit(": ", 1)[-1].split(" (os error ")[0]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def tensor_bytes(state):
+    """About what torch.save writes for `state`: every tensor's storage once (tied weights share one)."""
+    storages, todo = {}, [state]
+    while todo:
+        x = todo.pop()
+        if torch.is_tensor(x):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+    return sum(storages.values())
+
+
+def size(n):
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
+def newest_checkpoint(out):
+    """What a run that stops early leaves behind, and how to go on: the end of its one line."""
+    names = checkpoints(out) if out and os.path.isdir(out) else []
+    if names:
+        return f"the newest checkpoint is {os.path.join(out, names[-1])}; rerun the same command to resume"
+    if out:
+        return f"{out} holds no checkpoint yet; rerun the same command to start again"
+    return "nothing was saved (no --out)"
 
 
 # --- training and validation ---
@@ -398,7 +482,7 @@ def main(args):
             scaler.load_state_dict(ckpt["scaler"])
         start_epoch = ckpt["epoch"]
         step = start_epoch * len(train_loader)
-        if ckpt["scheduler"]["total_steps"] == total:
+        if ckpt["scheduler"]["total_steps"] == total or start_epoch >= args.epochs:  # the same plan, or nothing left
             sched.load_state_dict(ckpt["scheduler"])
         else:  # more --epochs (or another world size): the one-cycle schedule, rebuilt for the new total
             sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=total,
@@ -407,49 +491,51 @@ def main(args):
                    f"for the new total, so the learning rate rises again to {sched.get_last_lr()[0]:.2e}")
         print0(f"resumed from {ckpt_path} after epoch {start_epoch}")
 
-    step = start_epoch * len(train_loader)
-    for epoch in range(start_epoch, args.epochs):
-        train_sampler.set_epoch(epoch)  # without it every epoch would replay epoch 0's order
-        ddp.train()
-        t0, loss_sum, seen = time.perf_counter(), torch.zeros((), device=device), 0
-        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", disable=RANK != 0 or not sys.stderr.isatty(), leave=False)
-        for x, y in bar:
-            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-            if step == args.crash_at_step and RANK == WORLD - 1 and first_attempt:
-                log(f"--crash-at-step {step}: SIGKILL to myself (first attempt only)")
-                os.kill(os.getpid(), signal.SIGKILL)
-            x, y = x.to(device, non_blocking=True, memory_format=layout), y.to(device, non_blocking=True)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = nn.functional.cross_entropy(ddp(x).float(), y)
-            scaler.scale(loss).backward()  # DDP all-reduces gradient buckets during this call
-            scaler.step(opt)
-            scaler.update()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            loss_sum += loss.detach() * len(y)
-            seen += len(y)
-            step += 1
-        train = torch.stack([loss_sum, torch.tensor(float(seen), device=device)])
-        dist.all_reduce(train)
-        if not train[0].isfinite():  # the same sum on every rank: all stop here, together
-            raise UsageError(f"training diverged: loss {train[0].item()} in epoch {epoch + 1} (try a smaller --lr)")
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the GPU runs behind the host: wait for it before reading the clock
-        elapsed = time.perf_counter() - t0
-        val_loss, val_acc, n_val = evaluate(ddp, val_loader, device, len(val_set), layout)
-        print0(f"epoch {epoch + 1:>3}/{args.epochs} | train loss {(train[0] / train[1]).item():.4f} | val loss "
-               f"{val_loss:.4f} | val acc {val_acc:.4f} ({n_val} samples) | {train[1].item() / elapsed:,.0f} samples/s")
-        if args.out and RANK == 0:  # global rank 0: one writer, even with many nodes
-            save_checkpoint(args.out, epoch + 1, {
-                "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "scaler": scaler.state_dict(), "epoch": epoch + 1}, KEEP_CHECKPOINTS)
-    if args.out and RANK == 0:
-        # The bare model's state dict (model, not ddp): no "module." prefix, loads into build_model(). Written
-        # aside, then renamed: a crash never leaves half a file.
-        path = os.path.join(args.out, "model.pt")
-        torch.save(model.state_dict(), path + ".tmp")
-        os.replace(path + ".tmp", path)
-        print0(f"saved {path}")
+    step, epoch = start_epoch * len(train_loader), start_epoch
+    try:
+        for epoch in range(start_epoch, args.epochs):
+            train_sampler.set_epoch(epoch)  # without it every epoch would replay epoch 0's order
+            ddp.train()
+            t0, loss_sum, seen = time.perf_counter(), torch.zeros((), device=device), 0
+            bar = tqdm(train_loader, desc=f"epoch {epoch + 1}", disable=RANK != 0 or not sys.stderr.isatty(),
+                       leave=False)
+            for x, y in bar:
+                first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+                if step == args.crash_at_step and RANK == WORLD - 1 and first_attempt:
+                    log(f"--crash-at-step {step}: SIGKILL to myself (first attempt only)")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                x, y = x.to(device, non_blocking=True, memory_format=layout), y.to(device, non_blocking=True)
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    loss = nn.functional.cross_entropy(ddp(x).float(), y)
+                scaler.scale(loss).backward()  # DDP all-reduces gradient buckets during this call
+                scaler.step(opt)
+                scaler.update()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                loss_sum += loss.detach() * len(y)
+                seen += len(y)
+                step += 1
+            train = torch.stack([loss_sum, torch.tensor(float(seen), device=device)])
+            dist.all_reduce(train)
+            if not train[0].isfinite():  # the same sum on every rank: all stop here, together
+                raise UsageError(f"training diverged: loss {train[0].item()} in epoch {epoch + 1} (try a smaller --lr)")
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the GPU runs behind the host: wait for it before reading the clock
+            elapsed = time.perf_counter() - t0
+            val_loss, val_acc, n_val = evaluate(ddp, val_loader, device, len(val_set), layout)
+            print0(f"epoch {epoch + 1:>3}/{args.epochs} | train loss {(train[0] / train[1]).item():.4f} | val loss "
+                   f"{val_loss:.4f} | val acc {val_acc:.4f} ({n_val} samples) "
+                   f"| {train[1].item() / elapsed:,.0f} samples/s")
+            if args.out:  # global rank 0 writes (one writer, even on many nodes); every rank learns if it could
+                on_rank_0(save_checkpoint, args.out, epoch + 1, {
+                    "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "scaler": scaler.state_dict(), "epoch": epoch + 1}, KEEP_CHECKPOINTS)
+    except Interrupted as stop:  # Ctrl-C or SIGTERM: run() prints where, once, and what is on disk
+        stop.where = f"in epoch {epoch + 1} after step {step}; {newest_checkpoint(args.out)}"
+        raise
+    if args.out:
+        on_rank_0(save_model, args.out, model)
+        print0(f"saved {os.path.join(args.out, 'model.pt')}")
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     ref = flat.clone()
     dist.broadcast(ref, src=0)
@@ -459,13 +545,32 @@ def main(args):
         raise UsageError("training diverged: the weights are not finite (try a smaller --lr)")
     if not same[0].item():
         raise RuntimeError("replicas diverged: weights differ across ranks")
-    print0(f"OK DDP ResNet18 on {WORLD} rank(s): replicas identical after {args.epochs} epoch(s)")
+    if start_epoch >= args.epochs:
+        print0(f"OK DDP ResNet18 on {WORLD} rank(s): nothing left to train (resumed after epoch {start_epoch}, "
+               f"--epochs {args.epochs})")
+    else:
+        print0(f"OK DDP ResNet18 on {WORLD} rank(s): replicas identical after {args.epochs} epoch(s)")
     if lock:
         lock.close()
 
 
+def save_model(out, model):
+    """Global rank 0: the bare model's state dict (model, not ddp: no "module." prefix, it loads into
+    build_model()) as out/model.pt, written aside and then moved in, so a crash never leaves half a file."""
+    state = model.state_dict()
+    with written_aside(out, "model.pt", tensor_bytes(state)) as tmp:
+        with open(os.path.join(tmp, "model.pt"), "wb") as f:  # a Python file: its OSError tells a full disk apart
+            torch.save(state, f)
+    os.replace(os.path.join(tmp, "model.pt"), os.path.join(out, "model.pt"))
+    os.rmdir(tmp)
+
+
 def spawned(local_rank, argv, port):
     """Entry point of each process started by --nproc: the environment torchrun would have set, then as usual."""
+    # spawn left this process on its own start method; a torchrun worker has the platform's default (fork on Linux)
+    # for its DataLoader workers, and for tqdm's lock (under spawn a named semaphore, which a rank ended by Ctrl-C
+    # would leave for the resource tracker to warn about).
+    torch.multiprocessing.set_start_method(torch.multiprocessing.get_all_start_methods()[0], force=True)
     nproc = parse_args(argv).nproc
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -481,10 +586,21 @@ def main_or_spawn(args):
     with socket.socket() as s:  # a free port for the rendezvous on this machine
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    children = torch.multiprocessing.spawn(spawned, args=(sys.argv[1:], port), nprocs=args.nproc, join=False)
+
+    def pass_on(signum, frame):  # Ctrl-C reaches every process of the terminal, a SIGTERM perhaps this one alone
+        for child in children.processes:
+            if child.is_alive():
+                os.kill(child.pid, signum)
+    signal.signal(signal.SIGINT, pass_on)
+    signal.signal(signal.SIGTERM, pass_on)
     try:
-        torch.multiprocessing.spawn(spawned, args=(sys.argv[1:], port), nprocs=args.nproc)
+        while not children.join(grace_period=30):  # when one ends in failure, the others get 30 s to stop alike
+            pass
     except torch.multiprocessing.ProcessExitedException as e:  # the worker already said why
-        sys.exit(e.exit_code or 1)
+        if e.signal_name:  # it ended by a signal (Ctrl-C): so does this process, as a shell expects
+            end_by_signal(-e.exit_code)
+        sys.exit(e.exit_code)
 
 
 def parse_args(argv=None):

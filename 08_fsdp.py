@@ -458,16 +458,20 @@ def claim(out, owner):
     left: owner.json says who writes here. Returns the open lock file: keep it for the whole run."""
     lock, error = None, [None]
     if RANK == 0:
-        os.makedirs(out, exist_ok=True)
         path = os.path.join(out, ".lock")
-        existed, lock = os.path.exists(path), open(path, "a")
         try:
+            os.makedirs(out, exist_ok=True)
+            existed, lock = os.path.exists(path), open(path, "a")
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             error[0] = not_ours(out, owner)
             if error[0] and not existed:  # leave a directory that is not ours as we found it
                 os.remove(path)
         except BlockingIOError:
             error[0] = f"--out {out} is in use by another run (it holds {out}/.lock): wait for it or pick another"
+        except UsageError as e:  # owner.json did not fit on the disk
+            error[0] = str(e)
+        except OSError as e:  # a read-only or full disk: one line for every rank, not a traceback on rank 0
+            error[0] = f"cannot write to --out {out}: {e.strerror}"
     dist.broadcast_object_list(error, src=0)
     if error[0]:
         raise UsageError(error[0])
@@ -482,9 +486,12 @@ def not_ours(out, owner):
         if theirs:
             return (f"--out {out} holds files that no run of {owner['script']} wrote ({', '.join(theirs[:3])}"
                     f"{', ...' if len(theirs) > 3 else ''}): pick a new or empty directory")
-        with open(path + ".tmp", "w") as f:
-            json.dump(owner, f, indent=1)
-        os.replace(path + ".tmp", path)
+        text = json.dumps(owner, indent=1)
+        with written_aside(out, "owner.json", len(text)) as tmp:
+            with open(os.path.join(tmp, "owner.json"), "w") as f:
+                f.write(text)
+        os.replace(os.path.join(tmp, "owner.json"), path)
+        os.rmdir(tmp)
         return None
     try:
         with open(path) as f:
@@ -542,21 +549,97 @@ def resume_state(out):
 
 
 def save_checkpoint(out, step, state, keep):
-    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it).
+    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it): call it
+    through on_rank_0, so that every rank learns whether it could.
 
     Written into a temporary directory, fsynced, then renamed: a crash mid-write leaves the previous
     checkpoint intact and never a half-written one under a checkpoint-STEP name.
     """
-    final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
-    os.makedirs(tmp, exist_ok=True)
-    with open(os.path.join(tmp, "state.pt"), "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    with written_aside(out, f"checkpoint-{step}", tensor_bytes(state)) as tmp:
+        with open(os.path.join(tmp, "state.pt"), "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(out, f"checkpoint-{step}"))
     # Prune: the newest `keep` checkpoints stay, and so does nothing a crash may have left half-written.
-    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-checkpoint-")]:
+    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-")]:
         shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+
+
+def on_rank_0(write, *args):
+    """Every rank calls it; global rank 0 runs write(*args). If that fails in one line (a full disk), every rank
+    stops with that line: alone, rank 0 would stop and the others report a lost peer at their next collective."""
+    error = [None]
+    if RANK == 0:
+        try:
+            write(*args)
+        except UsageError as e:
+            error[0] = str(e)
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UsageError(error[0])
+
+
+@contextlib.contextmanager
+def written_aside(out, name, needed):
+    """A new temporary directory in `out` to write `name` into, which the caller then moves into place. Whatever
+    stops the write (a full disk, Ctrl-C) removes it, so nothing half-written is left; a write the system refused
+    becomes one line naming the directory and the space it needs (`needed`, in bytes)."""
+    tmp = os.path.join(out, f".tmp-{name}")
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        yield tmp
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if signalled(e):  # Ctrl-C mid-write, which torch.save may report as an error of its own
+            raise signalled(e) from None
+        reason = refused_write(e)
+        if reason is None:
+            raise  # not the disk's doing: a bug keeps its traceback
+        free = shutil.disk_usage(out).free if os.path.isdir(out) else 0
+        raise UsageError(f"cannot write {name} to {out}: {reason}: it needs about {size(needed)}, {size(free)} is "
+                         f"free there. Make room; {newest_checkpoint(out)}") from None
+
+
+def refused_write(e):
+    """Why the system refused a write (no space, a quota, an I/O error), from the exception or its causes, or None.
+    torch.save raises a RuntimeError in the course of handling the OSError; safetensors' writer (save_pretrained)
+    gives only the text of it ("I/O error: No space left on device (os error 28)")."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e.strerror or str(e)
+        if "(os error " in str(e):
+            return str(e).rsplit(": ", 1)[-1].split(" (os error ")[0]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def tensor_bytes(state):
+    """About what torch.save writes for `state`: every tensor's storage once (tied weights share one)."""
+    storages, todo = {}, [state]
+    while todo:
+        x = todo.pop()
+        if torch.is_tensor(x):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+    return sum(storages.values())
+
+
+def size(n):
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
+def newest_checkpoint(out):
+    """What a run that stops early leaves behind, and how to go on: the end of its one line."""
+    names = checkpoints(out) if out and os.path.isdir(out) else []
+    if names:
+        return f"the newest checkpoint is {os.path.join(out, names[-1])}; rerun the same command to resume"
+    if out:
+        return f"{out} holds no checkpoint yet; rerun the same command to start again"
+    return "nothing was saved (no --out)"
 
 
 # --- training ---
