@@ -12,11 +12,13 @@ beside this file) and PyTorch's fully_shard: held and sent bytes, peak memory, s
   CPU:        torchrun --nproc_per_node=2 08_fsdp.py              (or 3: uneven chunks, padded)
   N GPUs:     torchrun --nproc_per_node=N 08_fsdp.py --param-dtype bf16 --n-layer 12 --n-embd 768 --n-head 12
   2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 08_fsdp.py
-  options:    --grad-accum 4 --clip 1.0 --no-reshard-after-forward --out ckpt (resumes from it) --profile traces
+  options:    --grad-accum 4 --clip 1.0 --no-reshard-after-forward --out ckpt (resumes from it, on any number of
+              ranks) --profile traces
 """
 
 import argparse
 import contextlib
+import copy
 import ctypes
 import fcntl
 import gc
@@ -38,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -287,22 +290,34 @@ def fully_shard(module, *, process_group=None, param_dtype=None, reduce_dtype=No
     return module
 
 
+def _gather_full(unit, chunks, which):
+    """Full tensors on every rank from every rank's chunks: chunks[j] is this rank's chunk (shaped like its shard)
+    of the unit's parameter which[j], or of a tensor shaped like it. One all-gather of their padded concatenation,
+    unpacked as unshard unpacks the weights."""
+    sizes = [unit.sizes[i] for i in which]
+    mine = torch.zeros(sum(sizes), dtype=chunks[0].dtype, device=unit.device)
+    _copy_chunks(mine.view(1, -1), chunks, sizes, into_rows=True)
+    buf = torch.empty(unit.world * len(mine), dtype=mine.dtype, device=unit.device)
+    all_gather(buf, mine, group=unit.group)
+    fulls = [torch.empty(unit.full[i].shape, dtype=mine.dtype, device=unit.device) for i in which]
+    _copy_chunks(buf.view(unit.world, -1), fulls, sizes, into_rows=False)
+    return fulls
+
+
 def full_state_dict(module):
     """{name: full tensor} on every rank, with the plain module's state_dict() names: a plain checkpoint."""
     fulls = {}
     for unit in _units(module):
         unit.reshard()
-        if not unit.full:
-            continue
-        buf = torch.empty(unit.world * len(unit.flat), dtype=unit.dtype, device=unit.device)
-        all_gather(buf, unit.flat, group=unit.group)
-        fulls.update((s, torch.empty_like(f, dtype=unit.dtype)) for s, f in zip(unit.shards, unit.full))
-        _copy_chunks(buf.view(unit.world, -1), [fulls[s] for s in unit.shards], unit.sizes, into_rows=False)
+        if unit.full:
+            everything = range(len(unit.shards))
+            fulls.update(zip(unit.shards, _gather_full(unit, [s.detach() for s in unit.shards], everything)))
     return {k: fulls[v] if v in fulls else v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
 
 
 def load_full_state_dict(module, state):
-    """The reverse: every rank copies in its own chunk of each sharded parameter."""
+    """The reverse: every rank copies in its own chunk of each sharded parameter, whatever number of ranks wrote
+    the full tensors: chunk r of N is the same slice of a full tensor for any N."""
     starts, mine = {}, dict(state)
     for unit in _units(module):
         unit.reshard()
@@ -311,6 +326,50 @@ def load_full_state_dict(module, state):
         if t in starts and k in state:
             mine[k] = state[k].reshape(-1)[starts[t]:starts[t] + t.numel()].view_as(t)
     module.load_state_dict(mine)
+
+
+def full_optim_state_dict(module, optimizer):
+    """The optimizer's state as an unsharded run holds it, on every rank, in the layout of PyTorch's distributed
+    checkpoint (get_optimizer_state_dict with full_state_dict=True): keyed by parameter name (a tied parameter
+    by its first), full tensors. State shaped like its shard (AdamW's two moments) is per element and gathered
+    like the weights; the rest (AdamW's step) is one value per parameter, the same on every rank."""
+    names = {p: n for n, p in module.named_parameters()}  # a tied parameter once, by its first name
+    state = {}
+    for unit in _units(module):
+        unit.reshard()
+        held = [i for i, s in enumerate(unit.shards) if optimizer.state.get(s)]  # the same on every rank
+        for key in dict.fromkeys(k for i in held for k in optimizer.state[unit.shards[i]]):
+            values = [optimizer.state[unit.shards[i]][key] for i in held]
+            if all(torch.is_tensor(v) and v.shape == unit.shards[i].shape for i, v in zip(held, values)):
+                values = _gather_full(unit, values, held)
+            else:  # a copy, not the optimizer's own tensor, which its next step changes
+                values = [v.clone() if torch.is_tensor(v) else v for v in values]
+            for i, v in zip(held, values):
+                state.setdefault(unit.shards[i], {})[key] = v
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return {"state": {names[p]: state[p] for g in optimizer.param_groups for p in g["params"] if p in state},
+            "param_groups": groups}
+
+
+def load_full_optim_state_dict(module, optimizer, state):
+    """The reverse: every rank keeps its own chunk of each per-element state, whatever number of ranks wrote it."""
+    names = {p: n for n, p in module.named_parameters()}
+    starts, shapes = {}, {}
+    for unit in _units(module):
+        unit.reshard()
+        starts.update((s, unit.rank * size) for s, size in zip(unit.shards, unit.sizes))
+        shapes.update((s, f.shape) for s, f in zip(unit.shards, unit.full))
+    mine = {}
+    for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        for k, v in state["state"].get(names[p], {}).items():
+            if torch.is_tensor(v) and v.shape == shapes[p]:  # per element: this rank's chunk of it
+                v = v.reshape(-1)[starts[p]:starts[p] + p.numel()].view_as(p)
+            # A copy: torch.optim keeps the tensors it is given as its state and updates them in place.
+            mine.setdefault(i, {})[k] = v.clone() if torch.is_tensor(v) else v
+    numbers = optimizer.state_dict()["param_groups"]  # torch.optim's own numbering of its parameters
+    optimizer.load_state_dict({"state": mine, "param_groups": [
+        dict(saved, params=ours["params"]) for saved, ours in zip(state["param_groups"], numbers)]})
 
 
 def clip_grad_norm_(parameters, max_norm, group=None):
@@ -644,14 +703,14 @@ def newest_checkpoint(out):
 
 # --- training ---
 def train(impl, args, device, text, zero, ckpt=None):
-    """A fresh GPT-2 trained by impl to --max-steps (ours from ckpt): its full weights and what it took."""
+    """A GPT-2 trained by impl to --max-steps, fresh or from ckpt: its full weights and what it took."""
     gc.collect()  # the models trained before are gone before this one's peak is measured
     reset_peak(device)
     model, net, opt = build(impl, args, device, zero)
     fsdp, start, norms, seconds = impl in ("ours", "fully_shard"), 0, [], []
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if ckpt:
-        load_full_state_dict(model, ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"][RANK])
+        resume(impl, model, opt, ckpt)
         start = ckpt["step"]
     with contextlib.ExitStack() as stack:
         prof = stack.enter_context(torch.profiler.profile()) if args.profile and impl == "ours" else None
@@ -676,16 +735,20 @@ def train(impl, args, device, text, zero, ckpt=None):
             seconds.append(time.perf_counter() - t0)
             if impl == "ours" and ((step + 1) % args.log_every == 0 or step + 1 == args.max_steps):
                 print0(f"step {step + 1:4d}/{args.max_steps} | loss {loss.item():.4f} (rank 0's last micro-batch)")
-            if impl == "ours" and args.out and (step + 1) % args.ckpt_every == 0:
-                state = {"model": full_state_dict(model), "optimizer": [None] * WORLD, "step": step + 1}
-                # All the shards of the optimizer state, as CPU copies: pickled CUDA tensors would be unpickled on
-                # rank 0 onto the GPUs they came from.
-                mine = opt.state_dict()
-                mine["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
-                                 for i, s in mine["state"].items()}
-                dist.gather_object(mine, state["optimizer"] if RANK == 0 else None)
-                if RANK == 0:
-                    save_checkpoint(args.out, step + 1, state, KEEP_CHECKPOINTS)
+            # The last step too: the end of training is a checkpoint, so a run stopped before it saved the model
+            # (or the same command again) has nothing to train twice.
+            if impl == "ours" and args.out and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.max_steps):
+                # Full tensors, as an unsharded run holds them: every rank gathers, global rank 0 writes. Any number
+                # of ranks resumes from them, each taking its own chunks.
+                state = {"model": full_state_dict(model), "optimizer": full_optim_state_dict(model, opt),
+                         "step": step + 1, "world_size": WORLD}
+                state = on_cpu(state) if RANK == 0 else None
+                on_rank_0(save_checkpoint, args.out, step + 1, state, KEEP_CHECKPOINTS)
+            if impl == "ours" and step + 1 == args.crash_at_step and first_attempt:
+                dist.barrier()  # after rank 0 has written this step's checkpoint, if there is one
+                if RANK == WORLD - 1:
+                    log(f"--crash-at-step {step + 1}: SIGKILL to myself (first attempt only)")
+                    os.kill(os.getpid(), signal.SIGKILL)
     if prof:
         prof.export_chrome_trace(os.path.join(args.profile, f"trace_rank{RANK}.json"))
     full = full_state_dict(model) if impl == "ours" else model.state_dict()
@@ -694,6 +757,33 @@ def train(impl, args, device, text, zero, ckpt=None):
     ms = statistics.median(seconds[1:] or seconds) * 1e3  # the first step warms up
     return full, dict(held=held, peak=peak_mib(device), ms=ms, norms=norms, sent=sent,
                       events=model.fsdp_unit.events if impl == "ours" else [])
+
+
+def resume(impl, model, opt, ckpt):
+    """impl starts where the checkpoint's run stopped, resharded onto this run's ranks (any number of them)."""
+    if impl == "ours":
+        load_full_state_dict(model, ckpt["model"])
+        load_full_optim_state_dict(model, opt, ckpt["optimizer"])
+    elif impl == "ZeRO-2":  # 07 loads a plain optimizer's state_dict (numbered, not named) and keeps its shard
+        number = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict({"state": {number[k]: v for k, v in ckpt["optimizer"]["state"].items()},
+                             "param_groups": [dict(g, params=[number[k] for k in g["params"]])
+                                              for g in ckpt["optimizer"]["param_groups"]]})
+    else:  # PyTorch's distributed checkpoint (DCP) reshards full tensors onto fully_shard's DTensors, and loads
+        # DDP's replicas. It writes its DTensors into the model's dict it is given, and keeps the optimizer's tensors
+        # as the state it then steps: so copies, the checkpoint stays as read for the next implementation.
+        set_state_dict(model, opt, model_state_dict=dict(ckpt["model"]), optim_state_dict=copy.deepcopy(
+            ckpt["optimizer"]), options=StateDictOptions(full_state_dict=True))
+
+
+def on_cpu(state):
+    """The state with every tensor copied to the CPU: a checkpoint that loads where its GPUs are not."""
+    if isinstance(state, dict):
+        return {k: on_cpu(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [on_cpu(v) for v in state]
+    return state.cpu() if torch.is_tensor(state) else state
 
 
 def main(args):
@@ -719,21 +809,25 @@ def main(args):
              "n_head": args.n_head, "seq_len": args.seq_len}
     lock = claim(args.out, owner) if args.out else None  # held until this run ends
     path, ckpt = resume_state(args.out)
-    if ckpt and (len(ckpt["optimizer"]) != WORLD or ckpt["step"] >= args.max_steps):
-        raise UsageError(f"{path}: step {ckpt['step']} of {len(ckpt['optimizer'])} ranks; resume with as many "
-                         "ranks and a larger --max-steps")
+    if ckpt and "world_size" not in ckpt:  # before, each rank's optimizer shard was saved apart
+        raise UsageError(f"{path} was written by an older 08_fsdp.py: resume it with that one, or pick a new --out")
+    if ckpt:
+        writers = ckpt["world_size"]
+        print0(f"resumed from {path} at step {ckpt['step']}" + ("" if writers == WORLD else
+               f", written by {writers} ranks: every implementation reshards it onto {WORLD}"))
+    if ckpt and ckpt["step"] >= args.max_steps:  # the same command again, or a restart after the last step
+        nothing_left(args, device, path, ckpt)
+        return
     zero, here = None, os.path.join(os.path.dirname(os.path.abspath(__file__)), "07_zero.py")
     if os.path.exists(here):  # the lesson imports its predecessor only to compare with it
         spec = importlib.util.spec_from_file_location("zero", here)
         zero = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(zero)
-    if ckpt:
-        print0(f"resumed from {path} at step {ckpt['step']}")
     runs = {"ours": train("ours", args, device, text, zero, ckpt)}
     missing = "" if zero else "07_zero.py not beside this file"
-    for impl in ["fully_shard", "DDP", "ZeRO-2"]:
+    for impl in ["fully_shard", "DDP", "ZeRO-2"]:  # the same steps from the same start
         if impl != "ZeRO-2" or zero:
-            runs[impl] = train(impl, args, device, text, zero)
+            runs[impl] = train(impl, args, device, text, zero, ckpt)
     (ours, o), (theirs, t), (ddp, d) = runs["ours"], runs["fully_shard"], runs["DDP"]
     forward = max(i for i, e in enumerate(o["events"]) if e.startswith("forward")) + 1
     print0("launches against compute in the last step (rank 0):\n  forward:  " + " > ".join(o["events"][:forward])
@@ -764,10 +858,8 @@ def main(args):
         raise UsageError("training diverged: the weights are not finite (try a smaller --lr)")
     differ = [k for k in ours if not torch.equal(ours[k].view(torch.uint8), theirs[k].view(torch.uint8))]
     gap = max((ours[k].float() - ddp[k].float()).abs().max().item() for k in ours)
-    if args.out and RANK == 0:  # a plain state dict: an unsharded GPT-2 loads it, and from_pretrained that
-        plain = gpt2(args, "cpu")
-        plain.load_state_dict({k: v.cpu() for k, v in ours.items()})
-        plain.save_pretrained(args.out)
+    if args.out:  # global rank 0 writes (one writer); every rank learns whether it could
+        on_rank_0(save_model, args, ours)
         print0(f"saved the trained model to {args.out} (transformers' from_pretrained loads it)")
     if differ:
         raise RuntimeError(f"ours != fully_shard in {differ[:3]}")
@@ -775,10 +867,51 @@ def main(args):
         raise RuntimeError(f"ours is {gap:.1e} away from DDP")
     if sum(o["held"]) > sum(d["held"]) / WORLD * 1.05 + 0.01:
         raise RuntimeError(f"ours holds {sum(o['held']):.2f} MiB, not 1/{WORLD} of DDP's {sum(d['held']):.2f}")
-    print0(f"OK ours == fully_shard bit for bit after {args.max_steps} AdamW steps ({args.param_dtype}, world size "
-           f"{WORLD}), DDP within {gap:.1e}; each rank holds 1/{WORLD} of DDP's bytes")
+    start = ckpt["step"] if ckpt else 0
+    since = f" from {path}" if ckpt else ""
+    print0(f"OK ours == fully_shard bit for bit after {args.max_steps - start} AdamW steps{since} "
+           f"({args.param_dtype}, world size {WORLD}), DDP within {gap:.1e}; each rank holds 1/{WORLD} of DDP's bytes")
     if lock:
         lock.close()
+
+
+def save_model(args, full):
+    """Global rank 0: the weights as a plain GPT-2, which from_pretrained loads, with or without FSDP; written aside
+    and then moved in, so that a full disk or Ctrl-C never leaves half a model (the final checkpoint holds it)."""
+    plain = gpt2(args, "cpu")
+    plain.load_state_dict({k: v.cpu() for k, v in full.items()})
+    with written_aside(args.out, "model", tensor_bytes(full)) as tmp:
+        plain.save_pretrained(tmp)
+    for name in os.listdir(tmp):
+        os.replace(os.path.join(tmp, name), os.path.join(args.out, name))
+    os.rmdir(tmp)
+
+
+def nothing_left(args, device, path, ckpt):
+    """A finished run asked again, or restarted after its last checkpoint: there is no step to train, and saving
+    the model is all that may be left. The checkpoint goes through ours on this run's ranks first, resharded and
+    gathered back: it must come back bit for bit, whatever number of ranks wrote it."""
+    model, _, opt = build("ours", args, device, None)
+    resume("ours", model, opt, ckpt)
+    back = {"model": full_state_dict(model), "optimizer": full_optim_state_dict(model, opt)}
+    if not same_bits(back, {"model": ckpt["model"], "optimizer": ckpt["optimizer"]}):
+        raise RuntimeError(f"{path} does not come back bit for bit from {WORLD} ranks")
+    on_rank_0(save_model, args, back["model"])
+    print0(f"OK nothing left to train: {path} is step {ckpt['step']} of --max-steps {args.max_steps}; written by "
+           f"{ckpt['world_size']} ranks, sharded onto {WORLD} and gathered back bit for bit; the model saved to "
+           f"{args.out} (a larger --max-steps trains on)")
+
+
+def same_bits(a, b):
+    """Equal, tensors bit for bit, through the dicts and lists of a state dict."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same_bits, a, b))
+    if torch.is_tensor(a):
+        return (torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.cpu().reshape(-1).view(torch.uint8), b.cpu().reshape(-1).view(torch.uint8)))
+    return a == b
 
 
 def parse_args(argv=None):
@@ -805,6 +938,8 @@ def parse_args(argv=None):
     g.add_argument("--ckpt-every", type=count, default=10, help="steps between checkpoints")
     g.add_argument("--log-every", type=count, default=10, help="steps between loss lines")
     g.add_argument("--profile", default=None, help="directory for a torch.profiler trace of our run, per rank")
+    g.add_argument("--crash-at-step", type=count, default=None,
+                   help="demo: the last rank SIGKILLs itself once our run has done this many steps (first attempt)")
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")

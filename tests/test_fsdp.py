@@ -23,16 +23,18 @@ def test_fsdp_and_zero_equal_pytorch_on_3_ranks():
 
 
 @pytest.mark.slow
-def test_script_resumes_equal_to_fully_shard_and_saves_a_plain_model(tmp_path):
-    """Two launches, bf16 compute with clipping: 2 steps of the script beside 07 (so with a ZeRO-2 column), then on
-    to 4 from the checkpoint with a copy that has no 07 beside it. The second run's own check (ours == fully_shard
-    trained 4 steps without a stop, bit for bit) makes resume equal to uninterrupted; the saved model loads with
-    from_pretrained. (Accumulation, for which 07 has no column, is the worker's.)"""
+def test_script_resumes_on_3_ranks_then_2_and_saves_a_plain_model(tmp_path):
+    """Three launches with clipping: 2 steps on 2 ranks beside 07 (so with a ZeRO-2 column), on to 4 on 3 ranks
+    from that checkpoint with a copy that has no 07 beside it (both in bf16), then to 6 on 2 ranks again in fp32.
+    Each run's own check holds: ours, resharded from the checkpoint by hand, == fully_shard resharded by PyTorch's
+    DCP, bit for bit after the same steps (and in fp32 DDP, from the same checkpoint, within rounding). The saved
+    model loads with from_pretrained. (Accumulation, for which 07 has no column, is the worker's; so is resume ==
+    uninterrupted.)"""
     from transformers import AutoModelForCausalLM
-    alone = tmp_path / "alone"
+    alone, out = tmp_path / "alone", tmp_path / "out"
     alone.mkdir()
     shutil.copy(launch.REPO / SCRIPT, alone / SCRIPT)
-    args = TINY + ["--param-dtype", "bf16", "--clip", "1.0", "--ckpt-every", "2", "--out", tmp_path / "out"]
+    args = TINY + ["--param-dtype", "bf16", "--clip", "1.0", "--ckpt-every", "2", "--out", out]
     first = launch.torchrun(SCRIPT, 2, args + ["--max-steps", "2"], timeout=240)
     assert first.returncode == 0 and first.ok_line(), first.output
     for rank in (0, 1):  # every rank's row of the side-by-side table, 07's ZeRO-2 among them
@@ -41,21 +43,50 @@ def test_script_resumes_equal_to_fully_shard_and_saves_a_plain_model(tmp_path):
             assert "n/a" not in row, row
     # Newer checkpoints that do not load: a file cut short, and a directory where the file should be. Both are
     # skipped with a warning and left as they are; the run resumes from checkpoint-2.
-    (tmp_path / "out" / "checkpoint-3").mkdir()
-    (tmp_path / "out" / "checkpoint-3" / "state.pt").write_bytes(b"PK\x03\x04 cut short")
-    (tmp_path / "out" / "checkpoint-5" / "state.pt").mkdir(parents=True)
-    second = launch.torchrun(alone / SCRIPT, 2, args + ["--max-steps", "4"], timeout=240)
-    assert second.returncode == 0 and "resumed from" in second.output, second.output
+    (out / "checkpoint-3").mkdir()
+    (out / "checkpoint-3" / "state.pt").write_bytes(b"PK\x03\x04 cut short")
+    (out / "checkpoint-5" / "state.pt").mkdir(parents=True)
+    second = launch.torchrun(alone / SCRIPT, 3, args + ["--max-steps", "4"], timeout=240)
+    assert second.returncode == 0, second.output
     warnings = [ln for ln in second.output.splitlines() if ln.startswith("warning: skipped")]
     assert [w.split()[2].rsplit("/", 1)[1] for w in warnings] == ["checkpoint-5:", "checkpoint-3:"], second.output
-    assert f"resumed from {tmp_path / 'out' / 'checkpoint-2'} at step 2" in second.output, second.output
-    assert second.ok_line().startswith("OK ours == fully_shard bit for bit after 4 AdamW steps"), second.output
-    assert "| 0 | ZeRO-2 | n/a (07_zero.py not beside this file)" in second.output
+    assert (f"resumed from {out / 'checkpoint-2'} at step 2, written by 2 ranks: every implementation reshards it "
+            "onto 3") in second.output, second.output
+    assert second.ok_line().startswith(f"OK ours == fully_shard bit for bit after 2 AdamW steps from "
+                                       f"{out / 'checkpoint-2'} (bf16, world size 3)"), second.output
+    assert "| 2 | ZeRO-2 | n/a (07_zero.py not beside this file)" in second.output
     assert "forward:  all-gather root > all-gather transformer.h.0 > forward root" in second.output
-    state = torch.load(tmp_path / "out" / "checkpoint-4" / "state.pt")
-    assert state["step"] == 4 and len(state["optimizer"]) == 2
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    fp32 = [a for a in args if a not in ("--param-dtype", "bf16")]  # where the run checks DDP's weights too
+    third = launch.torchrun(SCRIPT, 2, fp32 + ["--max-steps", "6"], timeout=240)
+    assert f"resumed from {out / 'checkpoint-4'} at step 4, written by 3 ranks" in third.output, third.output
+    assert third.ok_line().startswith(f"OK ours == fully_shard bit for bit after 2 AdamW steps from "
+                                      f"{out / 'checkpoint-4'} (fp32, world size 2), DDP within"), third.output
+    state = torch.load(out / "checkpoint-6" / "state.pt")
+    assert state["step"] == 6 and state["world_size"] == 2
+    assert {s["step"].item() for s in state["optimizer"]["state"].values()} == {6}  # AdamW's count went through
+    model = AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert state["model"].keys() == model.keys() and all(torch.equal(model[k], v) for k, v in state["model"].items())
+
+
+@pytest.mark.slow
+def test_a_finished_run_again_saves_its_model_and_says_nothing_is_left(tmp_path):
+    """The last step is a checkpoint. The last rank killed right after it, before the model is saved: torchrun's
+    restarted round has nothing to train and saves the model; the same command again says so as well, exit 0,
+    and saves the model again if it is missing. (A larger --max-steps trains on: the test above.)"""
+    out = tmp_path / "out"
+    args = TINY + ["--ckpt-every", "2", "--out", out, "--max-steps", "3"]
+    crashed = launch.torchrun(SCRIPT, 2, args + ["--crash-at-step", "3"], torchrun_args=["--max-restarts=1"],
+                              timeout=240)
+    assert crashed.returncode == 0 and "--crash-at-step 3: SIGKILL to myself" in crashed.output, crashed.output
+    assert f"resumed from {out / 'checkpoint-3'} at step 3\n" in crashed.output, crashed.output
+    nothing = (f"OK nothing left to train: {out / 'checkpoint-3'} is step 3 of --max-steps 3; written by 2 ranks, "
+               "sharded onto 2 and gathered back bit for bit")
+    assert crashed.ok_line().startswith(nothing), crashed.output
+    saved = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").unlink()  # as if stopped before the model was saved, with no torchrun to restart
+    again = launch.torchrun(SCRIPT, 2, args, timeout=240)
+    assert again.returncode == 0 and again.ok_line().startswith(nothing), again.output
+    assert (out / "model.safetensors").read_bytes() == saved
 
 
 def test_clip_grad_norm_uses_pytorchs_norm_kernel(script, monkeypatch):

@@ -18,7 +18,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -295,8 +300,8 @@ def check_launch_order():
 
 
 def check_resume(steps=4, stop=2):
-    """Weights from full_state_dict and each rank's optimizer state, loaded into a fresh sharded model: training
-    on from there ends bit for bit where training without a stop ends."""
+    """Weights from full_state_dict and AdamW's from full_optim_state_dict, loaded into a fresh sharded model:
+    training on from there ends bit for bit where training without a stop ends."""
     torch.manual_seed(5)
     base = Toy()
 
@@ -315,15 +320,54 @@ def check_resume(steps=4, stop=2):
     train(whole, opt, range(steps))
     first, opt = sharded()
     train(first, opt, range(stop))
-    ckpt = {"model": fsdp.full_state_dict(first), "optimizer": opt.state_dict()}
+    ckpt = {"model": fsdp.full_state_dict(first), "optimizer": fsdp.full_optim_state_dict(first, opt)}
     assert ckpt["model"].keys() == base.state_dict().keys()
     resumed, opt = sharded()
     fsdp.load_full_state_dict(resumed, ckpt["model"])
-    opt.load_state_dict(ckpt["optimizer"])
+    fsdp.load_full_optim_state_dict(resumed, opt, ckpt["optimizer"])
     assert all(bits(a, b) for a, b in zip(resumed.parameters(), first.parameters()))
     train(resumed, opt, range(stop, steps))
     a, b = fsdp.full_state_dict(resumed), fsdp.full_state_dict(whole)
     assert all(bits(a[k], b[k]) for k in a), "resumed != uninterrupted"
+
+
+def check_reshard(pair, steps=2):
+    """A full state written by 2 ranks resumes on 3, and one written by 3 on 2: ours takes its chunks by hand,
+    fully_shard gets them from PyTorch's distributed checkpoint (DCP). Checked bit for bit at every hand-over: our
+    full state is DCP's for fully_shard (names, tensors, AdamW's step and moments), it comes back unchanged from
+    the new number of ranks, and ours and fully_shard train on from it to the same weights and state."""
+    torch.manual_seed(6)
+    base, state, mine = Toy(), None, None
+    for phase, group in enumerate((pair, None, pair)):  # None: all 3 ranks
+        if group is None or RANK < 2:
+            ours, theirs = shard_both(base, group)
+            opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
+            if state:
+                fsdp.load_full_state_dict(ours, state["model"])
+                fsdp.load_full_optim_state_dict(ours, opts[0], state["optimizer"])
+                set_state_dict(theirs, opts[1], model_state_dict=dict(state["model"]),
+                               optim_state_dict=copy.deepcopy(state["optimizer"]),
+                               options=StateDictOptions(full_state_dict=True))
+                assert fsdp.same_bits(full_states(ours, theirs, opts), state), f"phase {phase}: resharding changed it"
+            for step in range(phase * steps, (phase + 1) * steps):
+                for m, opt in zip((ours, theirs), opts):
+                    loss_of(m, data(step, dist.get_rank(group))).backward()
+                    opt.step()
+                    opt.zero_grad()
+            mine = full_states(ours, theirs, opts)
+        box = [mine if RANK == 0 else None]  # what the next phase's ranks read from rank 0's checkpoint
+        dist.broadcast_object_list(box, src=0)
+        state = box[0]
+    steps_taken = state["optimizer"]["state"]["blocks.0.gate"]["step"].item()
+    assert steps_taken == 3 * steps, steps_taken  # AdamW's step count went through every hand-over
+
+
+def full_states(ours, theirs, opts):
+    """Our full weights and AdamW state, checked equal to DCP's get_state_dict of fully_shard's."""
+    a = {"model": fsdp.full_state_dict(ours), "optimizer": fsdp.full_optim_state_dict(ours, opts[0])}
+    model, optim = get_state_dict(theirs, opts[1], options=StateDictOptions(full_state_dict=True))
+    assert fsdp.same_bits(a, {"model": model, "optimizer": optim}), "ours != DCP's full state of fully_shard"
+    return a
 
 
 def check_bad_input():
@@ -367,10 +411,11 @@ def checks():
     padded, numel = check_memory_and_traffic()
     check_launch_order()
     check_resume()
+    check_reshard(pair)
     check_bad_input()
     dist.barrier()
     return (f"OK 08 == fully_shard bit for bit on {WORLD} ranks (fp32, bf16, accumulation, clipping, two forwards "
-            f"and activation checkpointing, resume) and "
+            f"and activation checkpointing, resume, 2 -> 3 -> 2 ranks through full state and DCP) and "
             f"on a pair (fp32, accumulation); "
             f"DDP within {gap:.1e}; each rank holds {padded} of {numel} elements")
 
