@@ -106,11 +106,11 @@ def test_ring_trace_on_3_ranks_adds_what_the_left_neighbour_held():
 def test_blocking_ring_shift_deadlocks_and_ends_in_one_line():
     """01 --blocking: every rank in send(), none in recv(). It must end at the group's timeout, not hang: one
     error line from rank 0 that says why, a non-zero exit, and no traceback from the script."""
-    res = launch.torchrun("01_send_recv.py", 3, ["--blocking", "--timeout-s", "5"], timeout=90)
+    res = launch.torchrun("01_send_recv.py", 3, ["--blocking", "--timeout-s", "2"], timeout=90)
     assert not res.timed_out and res.returncode != 0, res.output
     errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "deadlock" in errors[0] and "blocking send()" in errors[0], res.output
-    assert "batch_isend_irecv" in errors[0] and "5 s" in errors[0], errors
+    assert "batch_isend_irecv" in errors[0] and "2 s" in errors[0], errors
     assert "ring shift: got" not in res.output and not res.ok_line(), res.output
     assert '01_send_recv.py", line' not in res.output, res.output  # torchrun's agent adds a traceback of its own
 
