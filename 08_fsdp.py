@@ -823,11 +823,16 @@ def main(args):
         spec = importlib.util.spec_from_file_location("zero", here)
         zero = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(zero)
-    runs = {"ours": train("ours", args, device, text, zero, ckpt)}
+    impl = "ours"
+    try:
+        runs = {"ours": train("ours", args, device, text, zero, ckpt)}
+        for impl in ["fully_shard", "DDP", "ZeRO-2"]:  # the same steps from the same start
+            if impl != "ZeRO-2" or zero:
+                runs[impl] = train(impl, args, device, text, zero, ckpt)
+    except Interrupted as stop:  # Ctrl-C or SIGTERM: run() prints where, once, and what is on disk
+        stop.where = f"during the {impl} run; {newest_checkpoint(args.out)}"
+        raise
     missing = "" if zero else "07_zero.py not beside this file"
-    for impl in ["fully_shard", "DDP", "ZeRO-2"]:  # the same steps from the same start
-        if impl != "ZeRO-2" or zero:
-            runs[impl] = train(impl, args, device, text, zero, ckpt)
     (ours, o), (theirs, t), (ddp, d) = runs["ours"], runs["fully_shard"], runs["DDP"]
     forward = max(i for i, e in enumerate(o["events"]) if e.startswith("forward")) + 1
     print0("launches against compute in the last step (rank 0):\n  forward:  " + " > ".join(o["events"][:forward])
