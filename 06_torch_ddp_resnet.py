@@ -206,198 +206,6 @@ def first(dataset, n):
     return torch.utils.data.Subset(dataset, range(min(n, len(dataset)))) if n else dataset
 
 
-# --- checkpoints: the same block in 05, 06 and 08, one contract for every --out ---
-def claim(out, owner):
-    """Global rank 0 takes --out for this run, or every rank stops with one line. Two runs into one --out would
-    overwrite each other: an flock keeps the second out (the kernel drops it when its process dies, even by
-    SIGKILL, so a crash leaves no stale lock). And a run never writes over what another script or another model
-    left: owner.json says who writes here. Returns the open lock file: keep it for the whole run."""
-    lock, error = None, [None]
-    if RANK == 0:
-        path = os.path.join(out, ".lock")
-        try:
-            os.makedirs(out, exist_ok=True)
-            existed, lock = os.path.exists(path), open(path, "a")
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            error[0] = not_ours(out, owner)
-            if error[0] and not existed:  # leave a directory that is not ours as we found it
-                os.remove(path)
-        except BlockingIOError:
-            error[0] = f"--out {out} is in use by another run (it holds {out}/.lock): wait for it or pick another"
-        except UsageError as e:  # owner.json did not fit on the disk
-            error[0] = str(e)
-        except OSError as e:  # a read-only or full disk: one line for every rank, not a traceback on rank 0
-            error[0] = f"cannot write to --out {out}: {e.strerror}"
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise UsageError(error[0])
-    return lock
-
-
-def not_ours(out, owner):
-    """Why this run must not write into `out` (the files of another script, or of another model), or None."""
-    path = os.path.join(out, "owner.json")
-    if not os.path.exists(path):
-        theirs = sorted(set(os.listdir(out)) - {".lock"})
-        if theirs:
-            return (f"--out {out} holds files that no run of {owner['script']} wrote ({', '.join(theirs[:3])}"
-                    f"{', ...' if len(theirs) > 3 else ''}): pick a new or empty directory")
-        text = json.dumps(owner, indent=1)
-        with written_aside(out, "owner.json", len(text)) as tmp:
-            with open(os.path.join(tmp, "owner.json"), "w") as f:
-                f.write(text)
-        os.replace(os.path.join(tmp, "owner.json"), path)
-        os.rmdir(tmp)
-        return None
-    try:
-        with open(path) as f:
-            theirs = json.load(f)
-    except (OSError, ValueError) as e:
-        return f"{path} does not load ({type(e).__name__}): pick another --out"
-    if theirs.get("script") != owner["script"]:
-        return f"--out {out} belongs to {theirs.get('script')} (its {path}): pick another --out"
-    for key, value in owner.items():
-        if theirs.get(key) != value:
-            return (f"--out {out} holds a model with {key} {theirs.get(key)}, this run has {value}: use the "
-                    "flags that wrote it, or another --out")
-    return None
-
-
-def checkpoints(out):
-    """The checkpoint-STEP directories in ``out``, oldest first."""
-    names = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()]
-    return sorted(names, key=lambda d: int(d.split("-")[1]))
-
-
-def resume_state(out):
-    """(path, state) of the newest checkpoint in --out that loads, on every rank; (None, None) if there is none.
-
-    Global rank 0 chooses and tells the others, so that all resume from the same step. A checkpoint that does not
-    load (a disk fault, a copy cut short) is skipped with a warning and kept, renamed out of the way of the saves
-    and their pruning. Mapped, not read: a rank reads only the pages of what it uses. Called before the model and
-    data are built, so that a rank that cannot read it stops the run at once, not minutes later.
-    """
-    state, choice = None, [None]
-    names = checkpoints(out) if RANK == 0 and out and os.path.isdir(out) else []
-    for name in reversed(names):
-        try:
-            state = torch.load(os.path.join(out, name, "state.pt"), map_location="cpu", weights_only=True, mmap=True)
-            choice[0] = os.path.join(out, name)
-            break
-        except Exception as e:
-            kept = f"{os.path.join(out, name)}.damaged-{int(time.time())}"
-            os.replace(os.path.join(out, name), kept)
-            print0(f"warning: skipped {os.path.join(out, name)}: it does not load ({type(e).__name__}); kept as {kept}")
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return None, None
-    error = None
-    if RANK != 0:  # on several nodes every rank must see rank 0's --out (a shared filesystem)
-        try:
-            state = torch.load(os.path.join(choice[0], "state.pt"), map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:
-            error = f"rank {RANK} cannot read {choice[0]} ({type(e).__name__}): every node must see rank 0's --out"
-    errors = [None] * WORLD
-    dist.all_gather_object(errors, error)  # all stop together, none left waiting in a collective
-    if any(errors):
-        raise UsageError(next(e for e in errors if e))
-    return choice[0], state
-
-
-def save_checkpoint(out, step, state, keep):
-    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it): call it
-    through on_rank_0, so that every rank learns whether it could.
-
-    Written into a temporary directory, fsynced, then renamed: a crash mid-write leaves the previous
-    checkpoint intact and never a half-written one under a checkpoint-STEP name.
-    """
-    with written_aside(out, f"checkpoint-{step}", tensor_bytes(state)) as tmp:
-        with open(os.path.join(tmp, "state.pt"), "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(out, f"checkpoint-{step}"))
-    # Prune: the newest `keep` checkpoints stay, and so does nothing a crash may have left half-written.
-    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-")]:
-        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
-
-
-def on_rank_0(write, *args):
-    """Every rank calls it; global rank 0 runs write(*args). If that fails in one line (a full disk), every rank
-    stops with that line: alone, rank 0 would stop and the others report a lost peer at their next collective."""
-    error = [None]
-    if RANK == 0:
-        try:
-            write(*args)
-        except UsageError as e:
-            error[0] = str(e)
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise UsageError(error[0])
-
-
-@contextlib.contextmanager
-def written_aside(out, name, needed):
-    """A new temporary directory in `out` to write `name` into, which the caller then moves into place. Whatever
-    stops the write (a full disk, Ctrl-C) removes it, so nothing half-written is left; a write the system refused
-    becomes one line naming the directory and the space it needs (`needed`, in bytes)."""
-    tmp = os.path.join(out, f".tmp-{name}")
-    try:
-        os.makedirs(tmp, exist_ok=True)
-        yield tmp
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if signalled(e):  # Ctrl-C mid-write, which torch.save may report as an error of its own
-            raise signalled(e) from None
-        reason = refused_write(e)
-        if reason is None:
-            raise  # not the disk's doing: a bug keeps its traceback
-        free = shutil.disk_usage(out).free if os.path.isdir(out) else 0
-        raise UsageError(f"cannot write {name} to {out}: {reason}: it needs about {size(needed)}, {size(free)} is "
-                         f"free there. Make room; {newest_checkpoint(out)}") from None
-
-
-def refused_write(e):
-    """Why the system refused a write (no space, a quota, an I/O error), from the exception or its causes, or None.
-    torch.save raises a RuntimeError in the course of handling the OSError; safetensors' writer (save_pretrained)
-    gives only the text of it ("I/O error: No space left on device (os error 28)")."""
-    while e is not None:
-        if isinstance(e, OSError):
-            return e.strerror or str(e)
-        if "(os error " in str(e):
-            return str(e).rsplit(": ", 1)[-1].split(" (os error ")[0]
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def tensor_bytes(state):
-    """About what torch.save writes for `state`: every tensor's storage once (tied weights share one)."""
-    storages, todo = {}, [state]
-    while todo:
-        x = todo.pop()
-        if torch.is_tensor(x):
-            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        elif isinstance(x, dict):
-            todo.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            todo.extend(x)
-    return sum(storages.values())
-
-
-def size(n):
-    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
-
-
-def newest_checkpoint(out):
-    """What a run that stops early leaves behind, and how to go on: the end of its one line."""
-    names = checkpoints(out) if out and os.path.isdir(out) else []
-    if names:
-        return f"the newest checkpoint is {os.path.join(out, names[-1])}; rerun the same command to resume"
-    if out:
-        return f"{out} holds no checkpoint yet; rerun the same command to start again"
-    return "nothing was saved (no --out)"
-
-
 # --- training and validation ---
 def evaluate(model, loader, device, n_total, layout):
     """Loss and accuracy over the whole validation set, whatever the number of ranks.
@@ -603,6 +411,199 @@ def main_or_spawn(args):
         sys.exit(e.exit_code)
 
 
+# --- checkpoints: the same block in 05, 06 and 08, one contract for every --out ---
+def claim(out, owner):
+    """Global rank 0 takes --out for this run, or every rank stops with one line. Two runs into one --out would
+    overwrite each other: an flock keeps the second out (the kernel drops it when its process dies, even by
+    SIGKILL, so a crash leaves no stale lock). And a run never writes over what another script or another model
+    left: owner.json says who writes here. Returns the open lock file: keep it for the whole run."""
+    lock, error = None, [None]
+    if RANK == 0:
+        path = os.path.join(out, ".lock")
+        try:
+            os.makedirs(out, exist_ok=True)
+            existed, lock = os.path.exists(path), open(path, "a")
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            error[0] = not_ours(out, owner)
+            if error[0] and not existed:  # leave a directory that is not ours as we found it
+                os.remove(path)
+        except BlockingIOError:
+            error[0] = f"--out {out} is in use by another run (it holds {out}/.lock): wait for it or pick another"
+        except UsageError as e:  # owner.json did not fit on the disk
+            error[0] = str(e)
+        except OSError as e:  # a read-only or full disk: one line for every rank, not a traceback on rank 0
+            error[0] = f"cannot write to --out {out}: {e.strerror}"
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UsageError(error[0])
+    return lock
+
+
+def not_ours(out, owner):
+    """Why this run must not write into `out` (the files of another script, or of another model), or None."""
+    path = os.path.join(out, "owner.json")
+    if not os.path.exists(path):
+        theirs = sorted(set(os.listdir(out)) - {".lock"})
+        if theirs:
+            return (f"--out {out} holds files that no run of {owner['script']} wrote ({', '.join(theirs[:3])}"
+                    f"{', ...' if len(theirs) > 3 else ''}): pick a new or empty directory")
+        text = json.dumps(owner, indent=1)
+        with written_aside(out, "owner.json", len(text)) as tmp:
+            with open(os.path.join(tmp, "owner.json"), "w") as f:
+                f.write(text)
+        os.replace(os.path.join(tmp, "owner.json"), path)
+        os.rmdir(tmp)
+        return None
+    try:
+        with open(path) as f:
+            theirs = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{path} does not load ({type(e).__name__}): pick another --out"
+    if theirs.get("script") != owner["script"]:
+        return f"--out {out} belongs to {theirs.get('script')} (its {path}): pick another --out"
+    for key, value in owner.items():
+        if theirs.get(key) != value:
+            return (f"--out {out} holds a model with {key} {theirs.get(key)}, this run has {value}: use the "
+                    "flags that wrote it, or another --out")
+    return None
+
+
+def checkpoints(out):
+    """The checkpoint-STEP directories in ``out``, oldest first."""
+    names = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()]
+    return sorted(names, key=lambda d: int(d.split("-")[1]))
+
+
+def resume_state(out):
+    """(path, state) of the newest checkpoint in --out that loads, on every rank; (None, None) if there is none.
+
+    Global rank 0 chooses and tells the others, so that all resume from the same step. A checkpoint that does not
+    load (a disk fault, a copy cut short) is skipped with a warning and kept, renamed out of the way of the saves
+    and their pruning. Mapped, not read: a rank reads only the pages of what it uses. Called before the model and
+    data are built, so that a rank that cannot read it stops the run at once, not minutes later.
+    """
+    state, choice = None, [None]
+    names = checkpoints(out) if RANK == 0 and out and os.path.isdir(out) else []
+    for name in reversed(names):
+        try:
+            state = torch.load(os.path.join(out, name, "state.pt"), map_location="cpu", weights_only=True, mmap=True)
+            choice[0] = os.path.join(out, name)
+            break
+        except Exception as e:
+            kept = f"{os.path.join(out, name)}.damaged-{int(time.time())}"
+            os.replace(os.path.join(out, name), kept)
+            print0(f"warning: skipped {os.path.join(out, name)}: it does not load ({type(e).__name__}); kept as {kept}")
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None, None
+    error = None
+    if RANK != 0:  # on several nodes every rank must see rank 0's --out (a shared filesystem)
+        try:
+            state = torch.load(os.path.join(choice[0], "state.pt"), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            error = f"rank {RANK} cannot read {choice[0]} ({type(e).__name__}): every node must see rank 0's --out"
+    errors = [None] * WORLD
+    dist.all_gather_object(errors, error)  # all stop together, none left waiting in a collective
+    if any(errors):
+        raise UsageError(next(e for e in errors if e))
+    return choice[0], state
+
+
+def save_checkpoint(out, step, state, keep):
+    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it): call it
+    through on_rank_0, so that every rank learns whether it could.
+
+    Written into a temporary directory, fsynced, then renamed: a crash mid-write leaves the previous
+    checkpoint intact and never a half-written one under a checkpoint-STEP name.
+    """
+    with written_aside(out, f"checkpoint-{step}", tensor_bytes(state)) as tmp:
+        with open(os.path.join(tmp, "state.pt"), "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(out, f"checkpoint-{step}"))
+    # Prune: the newest `keep` checkpoints stay, and so does nothing a crash may have left half-written.
+    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-")]:
+        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+
+
+def on_rank_0(write, *args):
+    """Every rank calls it; global rank 0 runs write(*args). If that fails in one line (a full disk), every rank
+    stops with that line: alone, rank 0 would stop and the others report a lost peer at their next collective."""
+    error = [None]
+    if RANK == 0:
+        try:
+            write(*args)
+        except UsageError as e:
+            error[0] = str(e)
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UsageError(error[0])
+
+
+@contextlib.contextmanager
+def written_aside(out, name, needed):
+    """A new temporary directory in `out` to write `name` into, which the caller then moves into place. Whatever
+    stops the write (a full disk, Ctrl-C) removes it, so nothing half-written is left; a write the system refused
+    becomes one line naming the directory and the space it needs (`needed`, in bytes)."""
+    tmp = os.path.join(out, f".tmp-{name}")
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        yield tmp
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if signalled(e):  # Ctrl-C mid-write, which torch.save may report as an error of its own
+            raise signalled(e) from None
+        reason = refused_write(e)
+        if reason is None:
+            raise  # not the disk's doing: a bug keeps its traceback
+        free = shutil.disk_usage(out).free if os.path.isdir(out) else 0
+        raise UsageError(f"cannot write {name} to {out}: {reason}: it needs about {size(needed)}, {size(free)} is "
+                         f"free there. Make room; {newest_checkpoint(out)}") from None
+
+
+def refused_write(e):
+    """Why the system refused a write (no space, a quota, an I/O error), from the exception or its causes, or None.
+    torch.save raises a RuntimeError in the course of handling the OSError; safetensors' writer (save_pretrained)
+    gives only the text of it ("I/O error: No space left on device (os error 28)")."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e.strerror or str(e)
+        if "(os error " in str(e):
+            return str(e).rsplit(": ", 1)[-1].split(" (os error ")[0]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def tensor_bytes(state):
+    """About what torch.save writes for `state`: every tensor's storage once (tied weights share one)."""
+    storages, todo = {}, [state]
+    while todo:
+        x = todo.pop()
+        if torch.is_tensor(x):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+    return sum(storages.values())
+
+
+def size(n):
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
+def newest_checkpoint(out):
+    """What a run that stops early leaves behind, and how to go on: the end of its one line."""
+    names = checkpoints(out) if out and os.path.isdir(out) else []
+    if names:
+        return f"the newest checkpoint is {os.path.join(out, names[-1])}; rerun the same command to resume"
+    if out:
+        return f"{out} holds no checkpoint yet; rerun the same command to start again"
+    return "nothing was saved (no --out)"
+
+
+# --- command line ---
 def parse_args(argv=None):
     p = parser(__doc__, timeout_s=300)
     count, at_least_0 = number(int, 1), number(int, 0)
