@@ -27,6 +27,18 @@ from conftest import REPO, load_script  # noqa: E402
 
 def run_case(script, argv, rank, env):
     """Exit status and combined output of script's run() with argv, as `rank` says."""
+    env = dict(env)
+    if rank in ("0", "1", "rank0of1"):
+        number, world = ("0", "1") if rank == "rank0of1" else (rank, "2")
+        env.update(RANK=number, LOCAL_RANK=number, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT="9")  # port 9: nothing listens there
+    return run_forked(script, argv, env, 30, "timeout: the bad input was not caught before the process group started")
+
+
+def run_forked(script, argv, env, deadline_s, late):
+    """(exit status, combined output) of script's run() with argv, in a forked child with `env` added to its
+    environment, as `python script.py` would run; a child still running after deadline_s is killed: (late, ...).
+    inputs_worker runs its cases through this too."""
     with tempfile.TemporaryFile(mode="w+") as out:
         pid = os.fork()
         if pid == 0:  # the child: become the script's process
@@ -34,10 +46,6 @@ def run_case(script, argv, rank, env):
             os.dup2(out.fileno(), 2)
             sys.stdout, sys.stderr = io.TextIOWrapper(os.fdopen(1, "wb", 0)), io.TextIOWrapper(os.fdopen(2, "wb", 0))
             os.environ.update(env)
-            if rank in ("0", "1", "rank0of1"):
-                number, world = ("0", "1") if rank == "rank0of1" else (rank, "2")
-                os.environ.update(RANK=number, LOCAL_RANK=number, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
-                                  MASTER_ADDR="127.0.0.1", MASTER_PORT="9")  # port 9: nothing listens there
             sys.argv = [str(REPO / script)] + argv
             code = 0
             try:
@@ -50,7 +58,7 @@ def run_case(script, argv, rank, env):
                 print(f"Traceback (unhandled {type(e).__name__}: {e})", flush=True)
                 code = 1
             os._exit(code)
-        deadline = time.time() + 30
+        deadline = time.time() + deadline_s
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
@@ -59,7 +67,7 @@ def run_case(script, argv, rank, env):
             if time.time() > deadline:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                code = "timeout: the bad input was not caught before the process group started"
+                code = late
                 break
             time.sleep(0.02)
         out.seek(0)
