@@ -37,8 +37,7 @@ def run_case(script, argv, rank, env):
 
 def run_forked(script, argv, env, deadline_s, late):
     """(exit status, combined output) of script's run() with argv, in a forked child with `env` added to its
-    environment, as `python script.py` would run; a child still running after deadline_s is killed: (late, ...).
-    inputs_worker runs its cases through this too."""
+    environment, as `python script.py` would run; a child still running after deadline_s is killed: (late, ...)."""
     with tempfile.TemporaryFile(mode="w+") as out:
         pid = os.fork()
         if pid == 0:  # the child: become the script's process
