@@ -33,11 +33,18 @@ SIZES = {"small": None, "124m": dict(vocab_size=50304, n_positions=1024, n_embd=
 def build(args, device):
     """05's default model (--model-size small), or a GPT-2 124M-shaped one from a config, random weights."""
     if args.model_size == "small":
-        return lesson.build_model(args, device)[1]
+        return lesson.build_model(args)[1]
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(args.seed)
     return GPT2LMHeadModel(GPT2Config(**SIZES[args.model_size], activation_function="gelu_pytorch_tanh",
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def flops_per_token(model, seq_len):
+    """Training FLOPs a token, as nanoGPT counts them: 6 per weight (forward and backward) plus attention."""
+    cfg = model.config
+    weights = sum(p.numel() for n, p in model.named_parameters() if "wpe" not in n and "position" not in n)
+    return 6 * weights + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
 
 
 def peak_mb(fn, device):
@@ -144,8 +151,8 @@ def measure(args, device, world):
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
     t = dict(zip(IMPLS, t.tolist()))
     tokens = args.batch_size * args.seq_len * world
-    flops = lesson.flops_per_token(base, args.seq_len) * tokens
-    reduce_bytes = sum(p.numel() for p in base.parameters()) * (2 if args.comm_hook == "bf16" else 4)
+    flops = flops_per_token(base, args.seq_len) * tokens
+    reduce_bytes = sum(p.numel() for p in base.parameters()) * 4  # float32 gradients
     res = {}
     for impl in IMPLS:
         q1, med, q3 = quartiles(t[impl])
@@ -164,7 +171,7 @@ def report(args, device, world, base, buckets, res):
     n_params = sum(p.numel() for p in base.parameters())
     say(f"\nDDP step, {world} ranks, {dist.get_backend()}, {device.type}, {n_params / 1e6:.2f}M parameters, batch "
         f"{args.batch_size}x{args.seq_len} per rank, precision {args.precision}, compile={args.compile}, "
-        f"comm hook {args.comm_hook}, buckets of {' + '.join(f'{b:.2f}' for b in buckets)} MiB, "
+        f"buckets of {' + '.join(f'{b:.2f}' for b in buckets)} MiB, "
         f"torch {torch.__version__}; median of {args.steps} interleaved steps (max over ranks)")
     say("| impl | step ms (p25-p75) | vs torch DDP (p25-p75) | scaling efficiency | tokens/s | all-reduced MiB/step "
         "| peak memory MiB | grads + buckets MiB |")
@@ -179,7 +186,7 @@ def report(args, device, world, base, buckets, res):
     if args.json:
         write_json(args.json, {"world_size": world, "backend": dist.get_backend(), "device": device.type,
                                "torch": torch.__version__, "parameters": n_params, "model_size": args.model_size,
-                               "precision": args.precision, "compile": args.compile, "comm_hook": args.comm_hook,
+                               "precision": args.precision, "compile": args.compile,
                                "bucket_cap_mb": args.bucket_cap_mb, "buckets_mb": buckets, "impls": res})
         say(f"wrote {args.json}")
     if args.plot:
@@ -196,7 +203,7 @@ def report(args, device, world, base, buckets, res):
 
 
 def main(args):
-    device = lesson.setup(args, min_world=1)
+    device = lesson.setup(args)
     if args.precision == "auto":
         args.precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     if device.type == "cuda":
@@ -211,7 +218,7 @@ def main(args):
 
 
 def parse_args():
-    p = lesson.parser(__doc__)
+    p = lesson.Parser(__doc__)
     p.add_argument("--model-size", choices=list(SIZES), default="small",
                    help="small: 05's default model (--n-layer/--n-embd/--n-head); 124m: GPT-2 124M's shape")
     p.add_argument("--steps", type=int, default=60, help="timed steps per implementation")
@@ -226,7 +233,7 @@ def parse_args():
             check_writable(path, flag)
         except OSError as e:
             p.error(str(e))
-    # The model, batch, buckets, precision, --compile and --comm-hook flags are 05's own.
+    # The model, batch, buckets, precision and --compile flags are 05's own.
     args = lesson.parse_args(rest + ["--device", own.device, "--timeout-s", str(own.timeout_s)]
                              + (["--backend", own.backend] if own.backend else []))
     for name in ("model_size", "steps", "warmup", "json", "plot"):

@@ -1,4 +1,4 @@
-"""PyTorch's own DDP tests, run on ManualDDP: is 05_manual_ddp_gpt2.ManualDDP a drop-in for PyTorch's DDP?
+"""PyTorch's own DDP tests, run on ManualDDP: is ddp_dropin.ManualDDP a drop-in for PyTorch's DDP?
 
 The torch wheel ships PyTorch's distributed test suite (torch/testing/_internal/distributed/distributed_test.py);
 PyTorch runs it through test/distributed/test_distributed_spawn.py with BACKEND, WORLD_SIZE and TEMP_DIR in the
@@ -38,9 +38,9 @@ Usage (2 cores: one run at a time; a full run takes 20 minutes a mode, run it in
   python tests/ddp_conformance.py --impl manual --out /tmp/conf --markdown    # ManualDDP again, vs the saved torch
   python tests/ddp_conformance.py --impl manual -k 'no_sync|join' --out /tmp/conf  # a subset (regex on names)
   python tests/ddp_conformance.py --report --markdown --out /tmp/conf         # the table from saved results
-  python tests/ddp_conformance.py --impl manual --source /tmp/05_patched.py ...   # try a patched ManualDDP
+  python tests/ddp_conformance.py --impl manual --source /tmp/patched ...   # ddp_dropin.py and 05 from /tmp/patched
 Files in --out: results_<impl>_ws<N>[_gpu_tests_on_cpu].jsonl (one JSON line per test: status, seconds, the full
-error), report_*.md, worker_*.log (everything the ranks printed), the snapshot of 05 that was tested.
+error), report_*.md, worker_*.log (everything the ranks printed), the snapshot of ddp_dropin.py and 05 tested.
 It needs `expecttest` (PyTorch's test helpers import it): pip install expecttest.
 
 Results (torch 2.14.1+cu130, gloo, CPU, 2 ranks; ManualDDP as of 2026-11-24):
@@ -77,7 +77,7 @@ REPO = TESTS.parent
 sys.path.insert(0, str(TESTS))
 import launch  # noqa: E402  (tests/launch.py: the project's environment and process-tree killing)
 
-SOURCE_ENV = "DDP_CONFORMANCE_SOURCE"  # the copy of 05_manual_ddp_gpt2.py the ranks load (one snapshot per run)
+SOURCE_ENV = "DDP_CONFORMANCE_SOURCE"  # the folder whose ddp_dropin.py the ranks load (one snapshot per run)
 ADAPT_ENV = "DDP_CONFORMANCE_GPU_TESTS_ON_CPU"  # --gpu-tests-on-cpu: see adapt_gpu_tests_to_cpu
 IMPL_ENV = "DDP_CONFORMANCE_IMPL"  # set for the worker, so also for the ranks it spawns (spawn copies os.environ)
 SKIPS_ENV = "DDP_CONFORMANCE_SKIPS"  # folder where a rank writes why it skipped a test
@@ -88,11 +88,12 @@ WORKER_RESTARTS = 20
 
 # --- in the ranks: swap the class ---
 def load_manual_ddp():
-    """05_manual_ddp_gpt2.ManualDDP, imported under a stable module name (so that torch.save can pickle it)."""
+    """ddp_dropin.ManualDDP, imported under its module's name (so that torch.save can pickle it); ddp_dropin.py
+    loads DDPCore from the 05_manual_ddp_gpt2.py beside it."""
     import importlib.util
-    name = "manual_ddp_gpt2"
+    name = "ddp_dropin"
     if name not in sys.modules:
-        path = os.environ.get(SOURCE_ENV) or REPO / "05_manual_ddp_gpt2.py"
+        path = Path(os.environ.get(SOURCE_ENV) or REPO) / "ddp_dropin.py"
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
@@ -330,8 +331,10 @@ def run_impl(args, impl):
     skips.mkdir(parents=True, exist_ok=True)
     log = Path(args.out) / f"worker_{impl}_{tag(args)}.log"
     # The file under test may change while a long run goes on: every rank loads the same snapshot of it.
-    source = Path(args.out) / f"05_manual_ddp_gpt2.snapshot_{tag(args)}.py"
-    source.write_bytes(Path(args.source).read_bytes())
+    source = Path(args.out) / f"snapshot_{tag(args)}"
+    source.mkdir(exist_ok=True)
+    for name in ("ddp_dropin.py", "05_manual_ddp_gpt2.py"):
+        (source / name).write_bytes((Path(args.source) / name).read_bytes())
     env = launch.make_env(BACKEND="gloo", WORLD_SIZE=args.world_size, INIT_METHOD="env://",
                           TEMP_DIR=tempfile.mkdtemp(prefix="ddp_conformance_"),
                           **{IMPL_ENV: impl, SKIPS_ENV: skips, SOURCE_ENV: source},
@@ -483,8 +486,8 @@ def main():
     p.add_argument("--list", action="store_true", help="print the selected tests and exit")
     p.add_argument("--gpu-tests-on-cpu", action="store_true",
                    help="also run the tests that ask for GPUs, moved to the CPU (an adaptation: see the docstring)")
-    p.add_argument("--source", default=str(REPO / "05_manual_ddp_gpt2.py"),
-                   help="the file whose ManualDDP is tested (default: the repo's 05_manual_ddp_gpt2.py)")
+    p.add_argument("--source", default=str(REPO),
+                   help="the folder whose ddp_dropin.py (and the 05_manual_ddp_gpt2.py beside it) is tested")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--results", help=argparse.SUPPRESS)
     args = p.parse_args()

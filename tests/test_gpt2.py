@@ -1,7 +1,7 @@
-"""05: the training script end to end (offline, gloo, 1-2 ranks). ManualDDP itself: test_manual_ddp.py.
+"""05: the training script end to end (offline, gloo, 1-2 ranks). DDPCore and ManualDDP: test_manual_ddp.py.
 
 Each launch of 05 imports transformers (several seconds of CPU per rank), so each test tells a whole story with
-as few launches as it can: train, crash, restart, damage a checkpoint, continue, resume the wrong model.
+as few launches as it can: train, crash, restart, ask again, damage a checkpoint, continue.
 """
 
 import signal
@@ -40,10 +40,10 @@ def test_default_run_is_offline_and_loss_falls():
 
 @pytest.mark.slow
 def test_crash_restart_damage_and_continue(tiny_models, tmp_path):
-    # A GPT-2 from save_pretrained files and local text, fp16 with loss scaling (the scaler's state resumes too),
-    # accumulating over 2 micro-batches.
+    # A GPT-2 from save_pretrained files (with dropout: its masks must replay on resume) and local text,
+    # accumulating over 2 micro-batches (no_sync).
     args = ["--model", tiny_models / "gpt2", "--dataset", tiny_models / "text", "--seq-len", "32", "--batch-size",
-            "4", "--log-every", "4", "--precision", "fp16", "--grad-accum", "2", "--ckpt-every", "4"]
+            "4", "--log-every", "4", "--grad-accum", "2", "--ckpt-every", "4"]
     whole = launch.torchrun(SCRIPT, 2, args + ["--max-steps", 12, "--sample-tokens", 0, "--out", tmp_path / "whole"],
                             timeout=180)
     assert whole.returncode == 0 and whole.ok_line(), whole.output
@@ -62,39 +62,23 @@ def test_crash_restart_damage_and_continue(tiny_models, tmp_path):
     out = tmp_path / "whole"
     assert sorted(p.name for p in out.glob("*checkpoint-*")) == ["checkpoint-12", "checkpoint-8"]
     state = torch.load(out / "checkpoint-12" / "state.pt", weights_only=True)
-    assert {"model", "optimizer", "scheduler", "scaler", "step", "max_steps"} <= state.keys() and state["step"] == 12
-    assert state["scaler"]["scale"] > 0 and not any(k.startswith("module.") for k in state["model"])
+    assert {"model", "optimizer", "scheduler", "step"} <= state.keys() and state["step"] == 12
+    assert not any(k.startswith("module.") for k in state["model"])
 
-    # A disk fault cuts the newest checkpoint short. The next start skips it (and keeps it), resumes from the one
-    # before, and continues past the old end: --max-steps 16, the schedule stretched to the new total. With the
-    # default 120-token sample on a 64-position model (it used to crash at the very end), the sample is shortened.
+    # Asked again, the finished run says so in one line, exit 0, and trains nothing.
+    again = launch.torchrun(SCRIPT, 2, args + ["--max-steps", 12, "--out", out], timeout=180)
+    assert again.returncode == 0 and again.ok_line().startswith("OK nothing to train"), again.output
+    # A disk fault cuts the newest checkpoint short. The next start skips it (and keeps it, renamed), resumes from
+    # the one before, and continues past the old end (--max-steps 16), with the default 120-token sample on a
+    # 64-position model kept within it.
     damaged = out / "checkpoint-12" / "state.pt"
     damaged.write_bytes(damaged.read_bytes()[:1000])
     more = launch.torchrun(SCRIPT, 2, args + ["--max-steps", 16, "--out", out], timeout=180)
-    assert more.returncode == 0 and more.ok_line(), more.output
-    assert lines_with(more, "warning: skipped")[0].split()[2].endswith("checkpoint-12:"), more.output
+    assert more.returncode == 0 and more.ok_line() and "sample:" in more.output, more.output
+    assert "checkpoint-12" in lines_with(more, "does not load")[0], more.output
     assert lines_with(more, "resumed from")[0].endswith("checkpoint-8 at step 8"), more.output
-    assert lines_with(more, "--max-steps 12 -> 16") and lines_with(more, "sample shortened to"), more.output
-    kept = list(out.glob("checkpoint-12.damaged-*"))
-    assert len(kept) == 1 and (kept[0] / "state.pt").stat().st_size == 1000, "the damaged checkpoint was lost"
+    assert (out / "checkpoint-12.damaged" / "state.pt").stat().st_size == 1000, "the damaged checkpoint was lost"
     assert torch.load(out / "checkpoint-16" / "state.pt", weights_only=True)["step"] == 16
-
-    # Across precisions: on in bf16 (no scaler state saved), then back to fp16, which starts a fresh loss scale.
-    for precision, steps in (("bf16", 20), ("fp16", 24)):
-        on = launch.torchrun(SCRIPT, 2, args + ["--max-steps", steps, "--sample-tokens", 0, "--out", out,
-                                                "--precision", precision], timeout=180)
-        assert on.returncode == 0 and on.ok_line(), on.output
-        assert lines_with(on, "resumed from")[0].endswith(f"at step {steps - 4}"), on.output
-    assert torch.load(out / "checkpoint-24" / "state.pt", weights_only=True)["scaler"]["scale"] > 0
-
-    # Two 'nodes' without a shared filesystem: --out is relative, only rank 0's directory holds it. One line, no hang,
-    # and before either rank has built a model.
-    elsewhere = tmp_path / "node1"
-    elsewhere.mkdir()
-    apart = launch.ranks(SCRIPT, 2, args + ["--max-steps", 20, "--out", "whole"], cwds=[tmp_path, elsewhere])
-    assert [r.returncode for r in apart] == [2, 2], [r.output for r in apart]
-    errors = [ln for r in apart for ln in r.output.splitlines() if "error" in ln]
-    assert len(errors) == 1 and "rank 1 cannot read" in errors[0] and "every node" in errors[0], errors
 
 
 @pytest.fixture(scope="module")
@@ -119,21 +103,16 @@ def tiny_models(tmp_path_factory):
     for i in range(3):
         lines = (f"line {j} of document {i}: the quick brown fox.\n" for j in range(200))
         (text / f"doc{i}.txt").write_text("".join(lines))
-    (root / "empty").mkdir()
-    (root / "corrupt").mkdir()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (root / "corrupt" / name).write_bytes((root / "gpt2" / name).read_bytes())
-    (root / "corrupt" / "model.safetensors").write_bytes((root / "gpt2" / "model.safetensors").read_bytes()[:500])
     return root
 
 
 @pytest.mark.slow
 def test_pretrained_llama_on_local_files(tiny_models, tmp_path):
-    """Not only GPT-2: a Llama (rotary positions, grouped-query attention) under PyTorch's DDP with its bf16 hook.
-    (A pretrained GPT-2 under ManualDDP: the crash story above.)"""
+    """Not only GPT-2: a Llama (rotary positions, grouped-query attention) under PyTorch's DDP, in bf16 autocast.
+    (A pretrained GPT-2 under DDPCore: the crash story above.)"""
     args = ["--model", tiny_models / "llama", "--dataset", tiny_models / "text", "--seq-len", "32", "--batch-size",
             "4", "--max-steps", "4", "--log-every", "2", "--sample-tokens", "8", "--impl", "torch", "--grad-accum",
-            "2", "--comm-hook", "bf16", "--out", tmp_path / "out"]
+            "2", "--precision", "bf16", "--out", tmp_path / "out"]
     res = launch.torchrun(SCRIPT, 2, args, timeout=180)
     assert res.returncode == 0 and res.ok_line(), res.output
     w, start = weights(tmp_path / "out"), weights(tiny_models / "llama")
@@ -153,32 +132,18 @@ def check_one_line_errors(tmp_path, cases):
     return found
 
 
-def test_inputs_only_the_model_or_data_reveal_are_one_line(tiny_models, tmp_path, script):
-    """Found after loading, as one line and exit 2: too little data, an empty text file, a --seq-len beyond the
-    model's positions or beyond memory, an empty or corrupt --model directory, a model without its tokenizer, a
-    diverging run, and the checkpoint of another model (the tiny GPT-2's, written by the script's own
-    save_checkpoint into an --out that says it belongs to this run's model: a hand-copied checkpoint)."""
-    from transformers import AutoModelForCausalLM
-    lesson = script(SCRIPT)
-    other, no_tokenizer, empty = tmp_path / "other", tmp_path / "no_tokenizer", tmp_path / "empty.txt"
-    other.mkdir()
-    lesson.not_ours(other, {"script": SCRIPT, "model": "GPT-2 from scratch", "n_layer": 2, "n_embd": 64,
-                            "n_head": 4, "seq_len": 64})  # writes owner.json as a run with TINY's flags does
-    model = AutoModelForCausalLM.from_pretrained(tiny_models / "gpt2")
-    lesson.save_checkpoint(other, 4, {"model": model.state_dict(), "step": 4}, keep=2)
-    model.save_pretrained(no_tokenizer)
-    empty.write_text("")
-    found = check_one_line_errors(tmp_path, [
+def test_inputs_only_the_model_or_data_reveal_are_one_line(tiny_models, tmp_path):
+    """Found after loading, as one line and exit 2: too little data, a --seq-len beyond the model's positions, a
+    diverging run, and an --out holding files no run of 05 wrote (left as it was)."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    check_one_line_errors(tmp_path, [
         (["--seq-len", "100000"], "too few for 1 ranks"),
-        (["--seq-len", "100000000"], "--batch-size 4 x --seq-len 100000000 would need at least"),
-        (["--dataset", empty], f"--dataset '{empty}' holds no text"),
         (["--model", tiny_models / "gpt2", "--seq-len", "65"], "--seq-len 65 exceeds the model's 64 positions"),
-        (["--model", tiny_models / "empty"], f"cannot load --model '{tiny_models / 'empty'}'"),
-        (["--model", tiny_models / "corrupt"], f"cannot load --model '{tiny_models / 'corrupt'}'"),
-        (["--model", no_tokenizer], f"--model '{no_tokenizer}' has no tokenizer"),
         (["--lr", "1e6", "--max-steps", "8"], "training diverged: loss nan at step"),
-        (["--out", other], "(257, 64)")])
-    assert "holds (257, 32)" in found[-1] and "was written for another model" in found[-1], found[-1]
+        (["--out", foreign], "holds files that no run of 05_manual_ddp_gpt2.py wrote")])
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
 
 
 @pytest.mark.slow
@@ -193,23 +158,11 @@ def test_dead_peer_is_one_clear_line():
     assert dead.returncode == -signal.SIGKILL, dead.output
     errors = [ln for ln in survivor.output.splitlines() if "error:" in ln]
     assert survivor.returncode == 1 and len(errors) == 1, survivor.output
-    assert errors[0].startswith("[rank 0/2] error: lost a peer") and "Traceback" not in survivor.output, survivor.output
+    assert errors[0].startswith("[rank 0/2] error: a peer died or timed out") and "Traceback" not in survivor.output, \
+        survivor.output
 
 
 @pytest.mark.slow
 def test_compile_keeps_losses_and_overlap():
     res = launch.run(launch.torchrun_cmd("tests/workers/compile_worker.py", 2), timeout=240)
     assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output
-
-
-def test_mfu_peak_is_looked_up_by_the_exact_gpu_name(script, monkeypatch, capsys):
-    lesson = script(SCRIPT)
-    args = lesson.parse_args(["--precision", "bf16"])
-    cuda = torch.device("cuda", 0)  # only its name is asked for, which is faked: no GPU needed
-    for name, peak in [("NVIDIA L40", 181), ("NVIDIA L4", 121), ("NVIDIA H100 PCIe", 756),
-                       ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA L40 Prototype", None), ("Some GPU", None)]:
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
-        assert lesson.peak_tflops(args, cuda) == peak, name
-        assert ("--peak-tflops" in capsys.readouterr().out) == (peak is None), name
-    assert lesson.peak_tflops(lesson.parse_args(["--precision", "bf16", "--peak-tflops", "50"]), cuda) == 50
-

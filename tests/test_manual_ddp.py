@@ -1,6 +1,8 @@
-"""05's ManualDDP as a drop-in for torch.nn.parallel.DistributedDataParallel: its arguments, its numbers, its uses."""
+"""ddp_dropin.ManualDDP (05's DDPCore with DDP's surface) as a drop-in for torch.nn.parallel.DistributedDataParallel:
+its arguments, its numbers, its uses."""
 
 import inspect
+import sys
 
 import torch
 
@@ -9,7 +11,7 @@ from conftest import load_script
 
 
 def test_constructor_takes_every_ddp_argument_with_ddp_defaults():
-    ours = inspect.signature(load_script("05_manual_ddp_gpt2.py").ManualDDP.__init__).parameters
+    ours = inspect.signature(load_script("ddp_dropin.py").ManualDDP.__init__).parameters
     theirs = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
     missing = [n for n in theirs if n not in ours]
     assert not missing, f"DDP arguments ManualDDP lacks (torch {torch.__version__}): {missing}"
@@ -30,17 +32,21 @@ def test_drop_in_for_ddp_and_bit_identical_on_4_3_and_2_ranks():
 
 
 def test_the_core_comes_first_and_the_drop_in_extends_it():
-    """05 opens on DDPCore, a class of about 200 lines, within its first ~130 lines; ManualDDP, defined after the
-    training code, is its subclass and overrides the core's methods by calling them (four replace a piece); the
-    README states the core's real size."""
+    """05 opens on DDPCore, a class of about 200 lines, within its first ~130 lines, and holds no ManualDDP;
+    ddp_dropin.py's ManualDDP subclasses 05's DDPCore (loaded, not copied) and overrides the core's methods by
+    calling them (four replace a piece); the README states the core's real size."""
     import ast
     tree = ast.parse((launch.REPO / "05_manual_ddp_gpt2.py").read_text())
     top = {n.name: n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
-    core, manual = top["DDPCore"], top["ManualDDP"]
+    core = top["DDPCore"]
     size = core.end_lineno - core.lineno + 1
     assert core.lineno <= 130 and size <= 220, (core.lineno, size)
+    assert "ManualDDP" not in top and "ddp_dropin.py" in ast.get_docstring(tree)
+    dropin = ast.parse((launch.REPO / "ddp_dropin.py").read_text())
+    manual = next(n for n in dropin.body if isinstance(n, ast.ClassDef) and n.name == "ManualDDP")
     assert [b.id for b in manual.bases] == ["DDPCore", "Joinable"]
-    assert manual.lineno > top["train"].lineno and manual.lineno > top["main"].lineno
+    assert not any(isinstance(n, ast.ClassDef) and n.name == "DDPCore" for n in dropin.body), "the core is copied"
+    assert load_script("ddp_dropin.py").DDPCore is sys.modules["manual_ddp_gpt2"].DDPCore
     core_methods = {n.name for n in core.body if isinstance(n, ast.FunctionDef)}
     swapped = set()
     for method in manual.body:

@@ -1,6 +1,6 @@
 """Run under torchrun (2 or 3 CPU ranks): real training clients, written for PyTorch's DDP, with only the DDP class
-swapped for 05's ManualDDP. Each client trains twice in this process, once with PyTorch's class and once with ours,
-from the same initial weights and data; the weights must be equal bit for bit, and identical across ranks.
+swapped for ddp_dropin's ManualDDP. Each client trains twice in this process, once with PyTorch's class and once with
+ours, from the same initial weights and data; the weights must be equal bit for bit, and identical across ranks.
 
   hf:        Hugging Face's Trainer (through accelerate): a GPT-2 made from a config, gradient accumulation
              (no_sync) and clipping; Trainer's defaults otherwise (find_unused_parameters=True for a model of
@@ -23,7 +23,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import identical_across_ranks, load_script  # noqa: E402
 
-ManualDDP = load_script("05_manual_ddp_gpt2.py").ManualDDP
+ManualDDP = load_script("ddp_dropin.py").ManualDDP
 
 
 @contextlib.contextmanager

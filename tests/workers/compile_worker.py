@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import identical_across_ranks, load_script  # noqa: E402
 
 lesson = load_script("05_manual_ddp_gpt2.py")
+dropin = load_script("ddp_dropin.py")
 TINY = ["--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--batch-size", "4", "--device", "cpu"]
 
 
@@ -34,11 +35,17 @@ def watch_input(events, module, inputs):
     inputs[0].register_hook(lambda grad: events.append("block 0 backward done"))
 
 
-def train(base, impl, compiled, args, steps=2, events=None):
+def manual_ddp_with_bf16_hook(model, args):
+    ddp = dropin.ManualDDP(model, bucket_cap_mb=args.bucket_cap_mb)
+    ddp.register_comm_hook(None, dropin.bf16_compress_hook)
+    return ddp
+
+
+def train(base, impl, compiled, args, steps=2, events=None, wrap=None):
     model = copy.deepcopy(base)
     if compiled:
         lesson.compile_blocks(model, backend="aot_eager")
-    ddp = lesson.wrap(model, impl, args, torch.device("cpu"))
+    ddp = wrap(model, args) if wrap else lesson.wrap(model, impl, args, torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for step in range(steps):
@@ -60,13 +67,13 @@ def train(base, impl, compiled, args, steps=2, events=None):
 def main():
     dist.init_process_group("gloo")
     args = lesson.parse_args(TINY + ["--bucket-cap-mb", "0.05"])  # several buckets, so some can go out early
-    _, base = lesson.build_model(args, torch.device("cpu"))
+    _, base = lesson.build_model(args)
     for impl in ("manual", "naive", "torch"):
         eager, compiled = train(base, impl, False, args), train(base, impl, True, args)
         assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(eager, compiled)), (impl, eager, compiled)
     sent = {}
-    # The default run's DDPCore, and ManualDDP (which --comm-hook needs): each keeps the overlap under compile.
-    for cls, extra in ((lesson.DDPCore, []), (lesson.ManualDDP, ["--comm-hook", "bf16"])):
+    # The default run's DDPCore, and ManualDDP with a communication hook: each keeps the overlap under compile.
+    for cls, wrap in ((lesson.DDPCore, None), (dropin.ManualDDP, manual_ddp_with_bf16_hook)):
         events, launch = [], cls._launch
 
         def recorded_launch(self, bucket, events=events, launch=launch):
@@ -74,7 +81,7 @@ def main():
             return launch(self, bucket)
         cls._launch = recorded_launch
         try:
-            train(base, "manual", True, lesson.parse_args(TINY + ["--bucket-cap-mb", "0.05"] + extra), events=events)
+            train(base, "manual", True, args, events=events, wrap=wrap)
         finally:
             cls._launch = launch
         assert events.index("block 0 backward done") > 0, f"{cls.__name__}: no bucket out during backward: {events}"

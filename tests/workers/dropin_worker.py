@@ -26,8 +26,9 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import identical_across_ranks, load_script  # noqa: E402
 
-lesson = load_script("05_manual_ddp_gpt2.py")
-ManualDDP, DDP = lesson.ManualDDP, nn.parallel.DistributedDataParallel
+lesson = load_script("05_manual_ddp_gpt2.py")  # DDPCore and average_gradients
+dropin = load_script("ddp_dropin.py")  # ManualDDP, built on that DDPCore
+ManualDDP, DDP = dropin.ManualDDP, nn.parallel.DistributedDataParallel
 RANK, WORLD = 0, 1
 EXACT = None  # the sizes check_exact covered
 
@@ -161,23 +162,23 @@ def check_subgroup():
 
 
 def check_comm_hooks():
-    """PyTorch's own hooks run unchanged on ManualDDP; ours (05's bf16_compress_hook) equals PyTorch's.
+    """PyTorch's own hooks run unchanged on ManualDDP; ours (ddp_dropin's bf16_compress_hook) equals PyTorch's.
 
     (PowerSGD is not among them here: on gloo it deadlocks with PyTorch's own DDP too, because it issues its second
     all-reduce from the completion callback of the first. It needs NCCL and 2 GPUs: not yet tested here.)"""
     hooks = [(None, default_hooks.allreduce_hook), (None, default_hooks.fp16_compress_hook),
              (None, default_hooks.bf16_compress_hook)]
     results = {}
-    for state, hook in hooks + [(None, lesson.bf16_compress_hook)]:
+    for state, hook in hooks + [(None, dropin.bf16_compress_hook)]:
         torch.manual_seed(2)
         (ours, opt), (theirs, topt) = pair(Net(d=40), bucket_cap_mb=0.004)
         ours.register_comm_hook(state, hook)
-        ref_hook = default_hooks.bf16_compress_hook if hook is lesson.bf16_compress_hook else hook
+        ref_hook = default_hooks.bf16_compress_hook if hook is dropin.bf16_compress_hook else hook
         theirs.register_comm_hook(state, ref_hook)
         for step in range(5):
             for model in (ours, theirs):
                 step_of(model, step, RANK)
-                if hook is lesson.bf16_compress_hook and WORLD != 2 and model is theirs:
+                if hook is dropin.bf16_compress_hook and WORLD != 2 and model is theirs:
                     # x/3 rounded to float32, then to bfloat16 (ours: divide first) against bfloat16(x)/3 (PyTorch's:
                     # cast first): each rank's term may differ by a bfloat16 rounding, 2^-8 of the largest term.
                     for p, q in zip(ours.parameters(), theirs.parameters()):
@@ -186,12 +187,12 @@ def check_comm_hooks():
             for o in (opt, topt):
                 o.step()
                 o.zero_grad()
-            if hook is lesson.bf16_compress_hook and WORLD != 2:
+            if hook is dropin.bf16_compress_hook and WORLD != 2:
                 for p, q in zip(ours.parameters(), theirs.parameters()):
                     p.data.copy_(q.data)  # compare the next step from the same weights
             else:
                 assert_same(ours, theirs, f"{hook.__name__}, step {step}")
-        results[hook.__name__ + str(hook is lesson.bf16_compress_hook)] = ours
+        results[hook.__name__ + str(hook is dropin.bf16_compress_hook)] = ours
     plain = results["allreduce_hookFalse"]
     for name in ("fp16_compress_hookFalse", "bf16_compress_hookFalse"):
         assert any(not torch.equal(p, q) for p, q in zip(plain.parameters(), results[name].parameters())), name
@@ -201,7 +202,7 @@ def check_comm_hooks():
     if RANK < 2:
         torch.manual_seed(2)
         pairs = pair(Net(d=40), bucket_cap_mb=0.004, process_group=two)
-        pairs[0][0].register_comm_hook(two, lesson.bf16_compress_hook)
+        pairs[0][0].register_comm_hook(two, dropin.bf16_compress_hook)
         pairs[1][0].register_comm_hook(two, default_hooks.bf16_compress_hook)
         lockstep(pairs, 5, "bf16_compress_hook on a group of 2")
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import identical_across_ranks, load_script  # noqa: E402
 
-lesson = load_script("05_manual_ddp_gpt2.py")
-DDPCore, ManualDDP = lesson.DDPCore, lesson.ManualDDP
+DDPCore = load_script("05_manual_ddp_gpt2.py").DDPCore
+ManualDDP = load_script("ddp_dropin.py").ManualDDP  # on that DDPCore
 DDP = nn.parallel.DistributedDataParallel
 DEVICE = torch.device("cpu")
 

@@ -1,6 +1,6 @@
 """A training script written as nanoGPT's train.py is: module-level code, the wrapper alive until the interpreter
-exits, destroy_process_group() as the last line. Argument: core (05's DDPCore), manual (05's ManualDDP), zero (07's
-ZeroDDP), or torch-via-run (PyTorch's DDP, ended by the scripts' run()).
+exits, destroy_process_group() as the last line. Argument: core (05's DDPCore), manual (ddp_dropin's ManualDDP), zero
+(07's ZeroDDP), or torch-via-run (PyTorch's DDP, ended by the scripts' run()).
 
 FORCE_IDLE=1 makes the exit race it checks happen every time instead of once in several launches: each rank runs on
 one core and gloo's threads (started by init_process_group) get SCHED_IDLE, so they run only while the main thread
@@ -49,7 +49,10 @@ if kind == "torch-via-run":
 if kind == "zero":
     ddp = opt = load_script("07_zero.py").ZeroDDP(model, torch.optim.SGD, lr=0.1)
 else:
-    ddp = getattr(load_script("05_manual_ddp_gpt2.py"), {"core": "DDPCore", "manual": "ManualDDP"}[kind])(model)
+    if kind == "core":
+        ddp = load_script("05_manual_ddp_gpt2.py").DDPCore(model)
+    else:
+        ddp = load_script("ddp_dropin.py").ManualDDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
 train(ddp, opt)
 dist.destroy_process_group()

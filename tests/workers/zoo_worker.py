@@ -1,5 +1,5 @@
 """Run under torchrun (the suite runs 3 ranks): models not designed for our wrappers, each wrapper against
-PyTorch's own, bit for bit: 05's ManualDDP against DistributedDataParallel, 07's ZeroDDP against DDP with
+PyTorch's own, bit for bit: ddp_dropin's ManualDDP against DistributedDataParallel, 07's ZeroDDP against DDP with
 ZeroRedundancyOptimizer, 08's fully_shard against PyTorch's fully_shard.
 
 The zoo: an embedding tied to the head, a frozen layer, BatchNorm (an int64 buffer), int32, uint8 and bool
@@ -25,7 +25,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import identical_across_ranks, load_script  # noqa: E402
 
-ManualDDP = load_script("05_manual_ddp_gpt2.py").ManualDDP
+ManualDDP = load_script("ddp_dropin.py").ManualDDP
 ZeroDDP = load_script("07_zero.py").ZeroDDP
 fsdp = load_script("08_fsdp.py")
 DDP = nn.parallel.DistributedDataParallel
