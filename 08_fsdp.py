@@ -6,7 +6,8 @@ block, then the root) one all-gather rebuilds the unit's weights just before the
 and once its backward is done one reduce-scatter leaves each rank the mean gradient of its chunk: 03's two ring
 halves are the whole algorithm. The next unit's all-gather starts before the current one computes. A Hugging
 Face GPT-2 (random weights, Python's sources as text: offline) trains with it, then with DDP, ZeRO-2 (07, when
-beside this file) and PyTorch's fully_shard: held and sent bytes, peak memory, speed, and ours == fully_shard.
+beside this file) and PyTorch's fully_shard: held and sent bytes, speed, and ours == fully_shard (peak memory:
+benchmarks/fsdp_memory.py).
 
   1 process:  python 08_fsdp.py
   CPU:        torchrun --nproc_per_node=2 08_fsdp.py              (or 3: uneven chunks, padded)
@@ -19,21 +20,15 @@ beside this file) and PyTorch's fully_shard: held and sent bytes, peak memory, s
 import argparse
 import contextlib
 import copy
-import ctypes
-import fcntl
-import gc
 import glob
 import importlib.util
-import json
 import math
 import os
 import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -48,8 +43,6 @@ from torch.distributed.tensor import DTensor
 
 WEIGHT_DECAY = 0.1  # AdamW's, the same for all four implementations
 DATA_SEED_STRIDE = 1009  # batch seed = seed + stride * micro-batch + rank: a prime, so no two pairs share one
-KEEP_CHECKPOINTS = 2  # the newest two: a damaged last one costs --ckpt-every steps, not the run
-MMAP_THRESHOLD = 128 * 1024  # glibc: a tensor over this gets its own mmap, so freeing it shrinks the resident set
 
 # --- the idea: fully sharded data parallel by hand ---
 # The two halves of 03's ring. torch 2.14 renamed reduce_scatter_tensor and all_gather_into_tensor to *_single.
@@ -270,7 +263,7 @@ def fully_shard(module, *, process_group=None, param_dtype=None, reduce_dtype=No
                 unit_class=Unit):
     """torch.distributed.fsdp.fully_shard by hand: one unit of module's parameters not in a unit yet. Call it on
     each block, then on the root; param_dtype and reduce_dtype mean what MixedPrecisionPolicy's fields mean.
-    unit_class: 08's training passes TracedUnit, a Unit that also records what the script prints."""
+    unit_class: 08's training passes CountingUnit, a Unit that also counts the bytes it sends."""
     if hasattr(module, "fsdp_unit"):
         raise ValueError(f"{type(module).__name__} is sharded already: call fully_shard once per module")
     params = list(dict.fromkeys(_unsharded_params(module)))  # a tied parameter once
@@ -292,8 +285,7 @@ def fully_shard(module, *, process_group=None, param_dtype=None, reduce_dtype=No
 
 def _gather_full(unit, chunks, which):
     """Full tensors on every rank from every rank's chunks: chunks[j] is this rank's chunk (shaped like its shard)
-    of the unit's parameter which[j], or of a tensor shaped like it. One all-gather of their padded concatenation,
-    unpacked as unshard unpacks the weights."""
+    of the unit's parameter which[j], or of a tensor shaped like it. One all-gather, unpacked as unshard does."""
     sizes = [unit.sizes[i] for i in which]
     mine = torch.zeros(sum(sizes), dtype=chunks[0].dtype, device=unit.device)
     _copy_chunks(mine.view(1, -1), chunks, sizes, into_rows=True)
@@ -387,39 +379,20 @@ def clip_grad_norm_(parameters, max_norm, group=None):
 
 
 # --- GPT-2 trained four ways: DDP, ZeRO-2 (07), ours, PyTorch's fully_shard ---
-class TracedUnit(Unit):
-    """Our Unit, also recording what the script prints of a step: forwards, backwards and launches in the order
-    they happen (events), and the bytes a ring sends for them (sent). Every override calls Unit's own."""
+class CountingUnit(Unit):
+    """Our Unit, also counting the bytes it sends (on the root: every step's so far), for the table's sent column.
+    A ring all-gather or reduce-scatter of a buffer sends (N - 1) / N of it from every rank (see 03)."""
 
-    sent = 0  # on the root: every step's bytes so far
-
-    def pre_forward(self, module, args, kwargs):
-        if self.root is None or self.root is self:  # the root, starting a forward: a new step's record
-            self.events = []
-        args, kwargs = super().pre_forward(module, args, kwargs)
-        self.root.events.append(f"forward {self.name}")
-        return args, kwargs
-
-    def pre_backward(self, grad):
-        starts = self.state != "backward"  # not when another of its outputs started it
-        super().pre_backward(grad)
-        if starts:
-            self.root.events.append(f"backward {self.name}")
+    sent = 0
 
     def start_gather(self):
         buf, works = super().start_gather()
-        self.record("all-gather", buf)
+        self.root.sent += buf.nbytes * (self.world - 1) // self.world
         return buf, works
 
     def start_reduce(self, rows):
-        out, work = super().start_reduce(rows)
-        self.record("reduce-scatter", rows)
-        return out, work
-
-    def record(self, what, buf):
-        # A ring all-gather or reduce-scatter of buf sends (N - 1) / N of it from every rank (see 03).
-        self.root.sent += buf.numel() * buf.element_size() * (self.world - 1) // self.world
-        self.root.events.append(f"{what} {self.name}")
+        self.root.sent += rows.nbytes * (self.world - 1) // self.world
+        return super().start_reduce(rows)
 
 
 def gpt2(args, device):
@@ -448,7 +421,7 @@ def build(impl, args, device, zero):
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     for m in [*model.transformer.h, model]:  # each block a unit, then the root
         if impl == "ours":
-            fully_shard(m, param_dtype=dtype, reshard_after_forward=reshard, unit_class=TracedUnit)
+            fully_shard(m, param_dtype=dtype, reshard_after_forward=reshard, unit_class=CountingUnit)
         else:
             torch_fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype),
                               reshard_after_forward=reshard)
@@ -473,47 +446,9 @@ def held_mib(params, optimizer):
     return mib(params), mib(p.grad for p in stepped), mib(state)
 
 
-def reset_peak(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    elif os.path.exists("/proc/self/clear_refs"):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # Linux: the resident set's high-water mark starts again from here
-
-
-def peak_mib(device):
-    """Peak memory since reset_peak(): CUDA's allocator statistics, or on CPU the peak resident set (Linux)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    if not os.path.exists("/proc/self/status"):
-        return float("nan")
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
-
-
-def check_memory(nbytes, what, device):
-    """One line before the work if `what` cannot fit: `nbytes`, a lower bound of what it needs, against this rank's
-    share of its device's free memory (a node's RAM and a shared GPU are split between their ranks)."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if device.type == "cuda":
-        free, sharing = torch.cuda.mem_get_info(device)[0], -(-local_world // torch.cuda.device_count())
-    else:
-        free, sharing = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), local_world
-        if os.path.exists("/proc/meminfo"):  # Linux says what is available: free, and cache it can drop
-            with open("/proc/meminfo") as f:
-                free = next((int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")), free)
-    share = torch.tensor([free / sharing], dtype=torch.float64, device=device)
-    dist.all_reduce(share, op=dist.ReduceOp.MIN)  # the smallest share decides, so every rank decides alike
-    if nbytes > share.item():
-        raise UsageError(f"{what} would need at least {nbytes / 2**30:,.1f} GiB, more than this rank's share of "
-                         f"{device.type} memory ({share.item() / 2**30:,.1f} GiB)")
-
-
 # --- training ---
 def train(impl, args, device, text, zero, ckpt=None):
     """A GPT-2 trained by impl to --max-steps, fresh or from ckpt: its full weights and what it took."""
-    gc.collect()  # the models trained before are gone before this one's peak is measured
-    reset_peak(device)
     model, net, opt = build(impl, args, device, zero)
     fsdp, start, norms, seconds = impl in ("ours", "fully_shard"), 0, [], []
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -550,8 +485,8 @@ def train(impl, args, device, text, zero, ckpt=None):
                 # of ranks resumes from them, each taking its own chunks.
                 state = {"model": full_state_dict(model), "optimizer": full_optim_state_dict(model, opt),
                          "step": step + 1, "world_size": WORLD}
-                state = on_cpu(state) if RANK == 0 else None
-                on_rank_0(save_checkpoint, args.out, step + 1, state, KEEP_CHECKPOINTS)
+                if RANK == 0:
+                    save_checkpoint(args.out, step + 1, on_cpu(state))
             if impl == "ours" and step + 1 == args.crash_at_step and first_attempt:
                 dist.barrier()  # after rank 0 has written this step's checkpoint, if there is one
                 if RANK == WORLD - 1:
@@ -563,8 +498,7 @@ def train(impl, args, device, text, zero, ckpt=None):
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in full.items()}
     sent = model.fsdp_unit.sent / len(seconds) if impl == "ours" else 0  # per step
     ms = statistics.median(seconds[1:] or seconds) * 1e3  # the first step warms up
-    return full, dict(held=held, peak=peak_mib(device), ms=ms, norms=norms, sent=sent,
-                      events=model.fsdp_unit.events if impl == "ours" else [])
+    return full, dict(held=held, ms=ms, norms=norms, sent=sent)
 
 
 def resume(impl, model, opt, ckpt):
@@ -585,8 +519,7 @@ def resume(impl, model, opt, ckpt):
             ckpt["optimizer"]), options=StateDictOptions(full_state_dict=True))
 
 
-def on_cpu(state):
-    """The state with every tensor copied to the CPU: a checkpoint that loads where its GPUs are not."""
+def on_cpu(state):  # every tensor copied to the CPU: a checkpoint that loads where its GPUs are not
     if isinstance(state, dict):
         return {k: on_cpu(v) for k, v in state.items()}
     if isinstance(state, list):
@@ -595,9 +528,7 @@ def on_cpu(state):
 
 
 def main(args):
-    device = setup(args, min_world=1)
-    if device.type == "cpu" and sys.platform == "linux":  # the resident set then measures what is held (see above)
-        ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD
+    device = setup(args)
     if device.type == "cuda":
         # The runs compared below are separate runs: on a GPU, attention's backward (memory-efficient and flash
         # SDPA) and cuBLAS may add in a different order each time. Deterministic mode picks kernels that do not.
@@ -609,18 +540,14 @@ def main(args):
     text = torch.frombuffer(bytearray(b"".join(Path(f).read_bytes() for f in files)), dtype=torch.uint8).long()
     if args.seq_len >= len(text):
         raise UsageError(f"--seq-len {args.seq_len} is longer than the text ({len(text):,} bytes)")
-    # A lower bound of what a rank holds at once: the embeddings (weights, gradients, AdamW's moments: 16 bytes an
-    # element) and one micro-batch's logits in float32.
-    check_memory(16 * (256 + args.seq_len) * args.n_embd + 4 * args.batch_size * args.seq_len * 256,
-                 f"--batch-size {args.batch_size} x --seq-len {args.seq_len}", device)
-    owner = {"script": os.path.basename(__file__), "n_layer": args.n_layer, "n_embd": args.n_embd,
-             "n_head": args.n_head, "seq_len": args.seq_len}
-    lock = claim(args.out, owner) if args.out else None  # held until this run ends
-    path, ckpt = resume_state(args.out)
-    if ckpt and "world_size" not in ckpt:  # before, each rank's optimizer shard was saved apart
-        raise UsageError(f"{path} was written by an older 08_fsdp.py: resume it with that one, or pick a new --out")
+    ckpt = None
+    if args.out:
+        claim(args.out, os.path.basename(__file__))
+        ckpt = load_newest(args.out)  # full tensors: written by any number of ranks, resharded onto these
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)  # each rank writes its own trace there
     if ckpt:
-        writers = ckpt["world_size"]
+        path, writers = os.path.join(args.out, f"checkpoint-{ckpt['step']}"), ckpt["world_size"]
         print0(f"resumed from {path} at step {ckpt['step']}" + ("" if writers == WORLD else
                f", written by {writers} ranks: every implementation reshards it onto {WORLD}"))
     if ckpt and ckpt["step"] >= args.max_steps:  # the same command again, or a restart after the last step
@@ -631,20 +558,11 @@ def main(args):
         spec = importlib.util.spec_from_file_location("zero", here)
         zero = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(zero)
-    impl = "ours"
-    try:
-        runs = {"ours": train("ours", args, device, text, zero, ckpt)}
-        for impl in ["fully_shard", "DDP", "ZeRO-2"]:  # the same steps from the same start
-            if impl != "ZeRO-2" or zero:
-                runs[impl] = train(impl, args, device, text, zero, ckpt)
-    except Interrupted as stop:  # Ctrl-C or SIGTERM: run() prints where, once, and what is on disk
-        stop.where = f"during the {impl} run; {newest_checkpoint(args.out)}"
-        raise
-    missing = "" if zero else "07_zero.py not beside this file"
+    runs = {"ours": train("ours", args, device, text, zero, ckpt)}
+    for impl in ["fully_shard", "DDP", "ZeRO-2"]:  # the same steps from the same start
+        if impl != "ZeRO-2" or zero:
+            runs[impl] = train(impl, args, device, text, zero, ckpt)
     (ours, o), (theirs, t), (ddp, d) = runs["ours"], runs["fully_shard"], runs["DDP"]
-    forward = max(i for i, e in enumerate(o["events"]) if e.startswith("forward")) + 1
-    print0("launches against compute in the last step (rank 0):\n  forward:  " + " > ".join(o["events"][:forward])
-           + "\n  backward: " + " > ".join(o["events"][forward:]))
     # Sent per step: ours counted (fully_shard issues the same collectives on the same buffers: see the tests).
     # DDP: one ring all-reduce of the gradients; ZeRO-2 a reduce-scatter and an all-gather: both 2(N-1)/N of them.
     params = {v.data_ptr(): v.nbytes for v in ddp.values()}  # the tied embedding once, as DDP reduces it
@@ -652,16 +570,16 @@ def main(args):
     rows = []
     for impl in ["DDP", "ZeRO-2", "ours", "fully_shard"]:
         if impl not in runs:
-            rows.append(f"| {RANK} | {impl} | n/a ({missing}) |||||||")
+            rows.append(f"| {RANK} | {impl} | n/a (07_zero.py not beside this file) ||||||")
             continue
         (p, g, opt), s = runs[impl][1]["held"], runs[impl][1]
         sent = o_sent if impl in ("ours", "fully_shard") else d_sent
-        rows.append(f"| {RANK} | {impl} | {p:.3f} | {g:.3f} | {opt:.3f} | {s['peak']:,.0f} | {sent / 2**20:.3f} | "
+        rows.append(f"| {RANK} | {impl} | {p:.3f} | {g:.3f} | {opt:.3f} | {sent / 2**20:.3f} | "
                     f"{sent / max(d_sent, 1):.2f} | {s['ms']:.1f} |")
     table = [None] * WORLD
     dist.all_gather_object(table, rows)
-    print0("| rank | | params MiB | grads MiB | optimizer MiB | peak MiB | sent MiB/step | x DDP | ms/step |\n"
-           "|---:|---|---:|---:|---:|---:|---:|---:|---:|\n" + "\n".join(r for rank_rows in table for r in rank_rows))
+    print0("| rank | | params MiB | grads MiB | optimizer MiB | sent MiB/step | x DDP | ms/step |\n"
+           "|---:|---|---:|---:|---:|---:|---:|---:|\n" + "\n".join(r for rank_rows in table for r in rank_rows))
     if args.clip > 0:
         print0(f"clip, last step: global norm over shards {o['norms'][-1]:.7f} | fully_shard's {t['norms'][-1]:.7f} "
                f"| clip_grad_norm_ over DDP's full gradients {d['norms'][-1]:.7f}")
@@ -669,50 +587,42 @@ def main(args):
     # weights by construction: each element lives on one rank only, and every rank gathers it from there.
     if not all(v.isfinite().all() for v in ours.values()):  # the same weights on every rank: all stop here
         raise UsageError("training diverged: the weights are not finite (try a smaller --lr)")
-    differ = [k for k in ours if not torch.equal(ours[k].view(torch.uint8), theirs[k].view(torch.uint8))]
     gap = max((ours[k].float() - ddp[k].float()).abs().max().item() for k in ours)
-    if args.out:  # global rank 0 writes (one writer); every rank learns whether it could
-        on_rank_0(save_model, args, ours)
-        print0(f"saved the trained model to {args.out} (transformers' from_pretrained loads it)")
-    if differ:
-        raise RuntimeError(f"ours != fully_shard in {differ[:3]}")
+    if args.out:
+        save_model(args, ours)
+    if not same_bits(ours, theirs):
+        raise RuntimeError("ours != fully_shard")
     if args.param_dtype == "fp32" and gap > 1e-4:
         raise RuntimeError(f"ours is {gap:.1e} away from DDP")
     if sum(o["held"]) > sum(d["held"]) / WORLD * 1.05 + 0.01:
         raise RuntimeError(f"ours holds {sum(o['held']):.2f} MiB, not 1/{WORLD} of DDP's {sum(d['held']):.2f}")
-    start = ckpt["step"] if ckpt else 0
-    since = f" from {path}" if ckpt else ""
+    start, since = (ckpt["step"], f" from {path}") if ckpt else (0, "")
     print0(f"OK ours == fully_shard bit for bit after {args.max_steps - start} AdamW steps{since} "
            f"({args.param_dtype}, world size {WORLD}), DDP within {gap:.1e}; each rank holds 1/{WORLD} of DDP's bytes")
-    if lock:
-        lock.close()
 
 
 def save_model(args, full):
-    """Global rank 0: the weights as a plain GPT-2, which from_pretrained loads, with or without FSDP; written aside
-    and then moved in, so that a full disk or Ctrl-C never leaves half a model (the final checkpoint holds it)."""
-    plain = gpt2(args, "cpu")
-    plain.load_state_dict({k: v.cpu() for k, v in full.items()})
-    with written_aside(args.out, "model", tensor_bytes(full)) as tmp:
-        plain.save_pretrained(tmp)
-    for name in os.listdir(tmp):
-        os.replace(os.path.join(tmp, name), os.path.join(args.out, name))
-    os.rmdir(tmp)
+    """The weights as a plain GPT-2, which from_pretrained loads, with or without FSDP. Every rank holds the same
+    full weights; global rank 0 writes them (the last checkpoint holds them too, should this write be cut short)."""
+    if RANK == 0:
+        plain = gpt2(args, "cpu")
+        plain.load_state_dict({k: v.cpu() for k, v in full.items()})
+        plain.save_pretrained(args.out)
+    print0(f"saved the trained model to {args.out} (transformers' from_pretrained loads it)")
 
 
 def nothing_left(args, device, path, ckpt):
-    """A finished run asked again, or restarted after its last checkpoint: there is no step to train, and saving
-    the model is all that may be left. The checkpoint goes through ours on this run's ranks first, resharded and
-    gathered back: it must come back bit for bit, whatever number of ranks wrote it."""
+    """A finished run asked again, or restarted after its last checkpoint: saving the model is all that may be left.
+    First the checkpoint is resharded onto this run's ranks and gathered back: bit for bit, whoever wrote it."""
     model, _, opt = build("ours", args, device, None)
     resume("ours", model, opt, ckpt)
     back = {"model": full_state_dict(model), "optimizer": full_optim_state_dict(model, opt)}
     if not same_bits(back, {"model": ckpt["model"], "optimizer": ckpt["optimizer"]}):
         raise RuntimeError(f"{path} does not come back bit for bit from {WORLD} ranks")
-    on_rank_0(save_model, args, back["model"])
+    save_model(args, back["model"])
     print0(f"OK nothing left to train: {path} is step {ckpt['step']} of --max-steps {args.max_steps}; written by "
-           f"{ckpt['world_size']} ranks, sharded onto {WORLD} and gathered back bit for bit; the model saved to "
-           f"{args.out} (a larger --max-steps trains on)")
+           f"{ckpt['world_size']} ranks, sharded onto {WORLD} and gathered back bit for bit (a larger --max-steps "
+           "trains on)")
 
 
 def same_bits(a, b):
@@ -727,202 +637,69 @@ def same_bits(a, b):
     return a == b
 
 
-# --- checkpoints: the same block in 05, 06 and 08, one contract for every --out ---
-def claim(out, owner):
-    """Global rank 0 takes --out for this run, or every rank stops with one line. Two runs into one --out would
-    overwrite each other: an flock keeps the second out (the kernel drops it when its process dies, even by
-    SIGKILL, so a crash leaves no stale lock). And a run never writes over what another script or another model
-    left: owner.json says who writes here. Returns the open lock file: keep it for the whole run."""
-    lock, error = None, [None]
-    if RANK == 0:
-        path = os.path.join(out, ".lock")
-        try:
-            os.makedirs(out, exist_ok=True)
-            existed, lock = os.path.exists(path), open(path, "a")
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            error[0] = not_ours(out, owner)
-            if error[0] and not existed:  # leave a directory that is not ours as we found it
-                os.remove(path)
-        except BlockingIOError:
-            error[0] = f"--out {out} is in use by another run (it holds {out}/.lock): wait for it or pick another"
-        except UsageError as e:  # owner.json did not fit on the disk
-            error[0] = str(e)
-        except OSError as e:  # a read-only or full disk: one line for every rank, not a traceback on rank 0
-            error[0] = f"cannot write to --out {out}: {e.strerror}"
-    dist.broadcast_object_list(error, src=0)
+# --- checkpoints: the same block in 05, 06 and 08 ---
+def claim(out, script):
+    """Make --out this script's, or stop every rank: a run writes only into a directory that is new, empty, or
+    written by an earlier run of the same script (its mark, `.written-by`, says so); never over anything else."""
+    error = [None]
+    if RANK == 0:  # global rank 0 alone writes files (all ranks hold the same state, and N writers would collide)
+        os.makedirs(out, exist_ok=True)
+        mark = os.path.join(out, ".written-by")
+        theirs = open(mark).read() if os.path.exists(mark) else None
+        if theirs is None and os.listdir(out):
+            error[0] = f"--out {out} holds files that no run of {script} wrote: pick a new or empty directory"
+        elif theirs not in (None, script):
+            error[0] = f"--out {out} was written by {theirs}: pick another --out"
+        elif theirs is None:
+            with open(mark, "w") as f:
+                f.write(script)
+    dist.broadcast_object_list(error, src=0)  # every rank stops alike
     if error[0]:
         raise UsageError(error[0])
-    return lock
 
 
-def not_ours(out, owner):
-    """Why this run must not write into `out` (the files of another script, or of another model), or None."""
-    path = os.path.join(out, "owner.json")
-    if not os.path.exists(path):
-        theirs = sorted(set(os.listdir(out)) - {".lock"})
-        if theirs:
-            return (f"--out {out} holds files that no run of {owner['script']} wrote ({', '.join(theirs[:3])}"
-                    f"{', ...' if len(theirs) > 3 else ''}): pick a new or empty directory")
-        text = json.dumps(owner, indent=1)
-        with written_aside(out, "owner.json", len(text)) as tmp:
-            with open(os.path.join(tmp, "owner.json"), "w") as f:
-                f.write(text)
-        os.replace(os.path.join(tmp, "owner.json"), path)
-        os.rmdir(tmp)
-        return None
-    try:
-        with open(path) as f:
-            theirs = json.load(f)
-    except (OSError, ValueError) as e:
-        return f"{path} does not load ({type(e).__name__}): pick another --out"
-    if theirs.get("script") != owner["script"]:
-        return f"--out {out} belongs to {theirs.get('script')} (its {path}): pick another --out"
-    for key, value in owner.items():
-        if theirs.get(key) != value:
-            return (f"--out {out} holds a model with {key} {theirs.get(key)}, this run has {value}: use the "
-                    "flags that wrote it, or another --out")
-    return None
+def checkpoints(out):  # the checkpoint-STEP directories in out, oldest first
+    names = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d[len("checkpoint-"):].isdigit()]
+    return sorted(names, key=lambda d: int(d[len("checkpoint-"):]))
 
 
-def checkpoints(out):
-    """The checkpoint-STEP directories in ``out``, oldest first."""
-    names = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d.split("-")[1].isdigit()]
-    return sorted(names, key=lambda d: int(d.split("-")[1]))
-
-
-def resume_state(out):
-    """(path, state) of the newest checkpoint in --out that loads, on every rank; (None, None) if there is none.
-
-    Global rank 0 chooses and tells the others, so that all resume from the same step. A checkpoint that does not
-    load (a disk fault, a copy cut short) is skipped with a warning and kept, renamed out of the way of the saves
-    and their pruning. Mapped, not read: a rank reads only the pages of what it uses. Called before the model and
-    data are built, so that a rank that cannot read it stops the run at once, not minutes later.
-    """
-    state, choice = None, [None]
-    names = checkpoints(out) if RANK == 0 and out and os.path.isdir(out) else []
-    for name in reversed(names):
+def load_newest(out):
+    """The state of the newest checkpoint in --out that loads, on every rank, or None. Global rank 0 chooses, so
+    that all ranks resume from the same step; one that does not load (a disk fault) is renamed aside and skipped."""
+    choice = [None]
+    for name in reversed(checkpoints(out) if RANK == 0 else []):
+        path = os.path.join(out, name, "state.pt")
         try:
-            state = torch.load(os.path.join(out, name, "state.pt"), map_location="cpu", weights_only=True, mmap=True)
-            choice[0] = os.path.join(out, name)
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            choice[0] = path
             break
         except Exception as e:
-            kept = f"{os.path.join(out, name)}.damaged-{int(time.time())}"
-            os.replace(os.path.join(out, name), kept)
-            print0(f"warning: skipped {os.path.join(out, name)}: it does not load ({type(e).__name__}); kept as {kept}")
+            os.replace(os.path.join(out, name), os.path.join(out, f"{name}.damaged"))
+            print0(f"warning: {path} does not load ({type(e).__name__}): renamed {name}.damaged, skipped")
     dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return None, None
-    error = None
-    if RANK != 0:  # on several nodes every rank must see rank 0's --out (a shared filesystem)
-        try:
-            state = torch.load(os.path.join(choice[0], "state.pt"), map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:
-            error = f"rank {RANK} cannot read {choice[0]} ({type(e).__name__}): every node must see rank 0's --out"
-    errors = [None] * WORLD
-    dist.all_gather_object(errors, error)  # all stop together, none left waiting in a collective
-    if any(errors):
-        raise UsageError(next(e for e in errors if e))
-    return choice[0], state
+    # Mapped, not read: a rank reads only the pages it uses. Several nodes need rank 0's --out on a shared disk.
+    return None if choice[0] is None else torch.load(choice[0], map_location="cpu", weights_only=True, mmap=True)
 
 
-def save_checkpoint(out, step, state, keep):
-    """Global rank 0 only (all replicas are identical, and N writers to one path would corrupt it): call it
-    through on_rank_0, so that every rank learns whether it could.
-
-    Written into a temporary directory, fsynced, then renamed: a crash mid-write leaves the previous
-    checkpoint intact and never a half-written one under a checkpoint-STEP name.
-    """
-    with written_aside(out, f"checkpoint-{step}", tensor_bytes(state)) as tmp:
-        with open(os.path.join(tmp, "state.pt"), "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+def save_checkpoint(out, step, state, keep=2):
+    """Global rank 0 only. Written aside, flushed to disk, then renamed into place: a crash mid-write leaves the
+    previous checkpoints as they were, never a half-written one under a checkpoint-STEP name."""
+    tmp = os.path.join(out, f".tmp-checkpoint-{step}")
+    shutil.rmtree(tmp, ignore_errors=True)  # what an earlier crash left mid-write
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, "state.pt"), "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, os.path.join(out, f"checkpoint-{step}"))
-    # Prune: the newest `keep` checkpoints stay, and so does nothing a crash may have left half-written.
-    for d in checkpoints(out)[:-keep] + [d for d in os.listdir(out) if d.startswith(".tmp-")]:
-        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
-
-
-def on_rank_0(write, *args):
-    """Every rank calls it; global rank 0 runs write(*args). If that fails in one line (a full disk), every rank
-    stops with that line: alone, rank 0 would stop and the others report a lost peer at their next collective."""
-    error = [None]
-    if RANK == 0:
-        try:
-            write(*args)
-        except UsageError as e:
-            error[0] = str(e)
-    dist.broadcast_object_list(error, src=0)
-    if error[0]:
-        raise UsageError(error[0])
-
-
-@contextlib.contextmanager
-def written_aside(out, name, needed):
-    """A new temporary directory in `out` to write `name` into, which the caller then moves into place. Whatever
-    stops the write (a full disk, Ctrl-C) removes it, so nothing half-written is left; a write the system refused
-    becomes one line naming the directory and the space it needs (`needed`, in bytes)."""
-    tmp = os.path.join(out, f".tmp-{name}")
-    try:
-        os.makedirs(tmp, exist_ok=True)
-        yield tmp
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if signalled(e):  # Ctrl-C mid-write, which torch.save may report as an error of its own
-            raise signalled(e) from None
-        reason = refused_write(e)
-        if reason is None:
-            raise  # not the disk's doing: a bug keeps its traceback
-        free = shutil.disk_usage(out).free if os.path.isdir(out) else 0
-        raise UsageError(f"cannot write {name} to {out}: {reason}: it needs about {size(needed)}, {size(free)} is "
-                         f"free there. Make room; {newest_checkpoint(out)}") from None
-
-
-def refused_write(e):
-    """Why the system refused a write (no space, a quota, an I/O error), from the exception or its causes, or None.
-    torch.save raises a RuntimeError in the course of handling the OSError; safetensors' writer (save_pretrained)
-    gives only the text of it ("I/O error: No space left on device (os error 28)")."""
-    while e is not None:
-        if isinstance(e, OSError):
-            return e.strerror or str(e)
-        if "(os error " in str(e):
-            return str(e).rsplit(": ", 1)[-1].split(" (os error ")[0]
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def tensor_bytes(state):
-    """About what torch.save writes for `state`: every tensor's storage once (tied weights share one)."""
-    storages, todo = {}, [state]
-    while todo:
-        x = todo.pop()
-        if torch.is_tensor(x):
-            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        elif isinstance(x, dict):
-            todo.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            todo.extend(x)
-    return sum(storages.values())
-
-
-def size(n):
-    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
-
-
-def newest_checkpoint(out):
-    """What a run that stops early leaves behind, and how to go on: the end of its one line."""
-    names = checkpoints(out) if out and os.path.isdir(out) else []
-    if names:
-        return f"the newest checkpoint is {os.path.join(out, names[-1])}; rerun the same command to resume"
-    if out:
-        return f"{out} holds no checkpoint yet; rerun the same command to start again"
-    return "nothing was saved (no --out)"
+    for old in checkpoints(out)[:-keep]:
+        shutil.rmtree(os.path.join(out, old))
 
 
 # --- command line ---
 def parse_args(argv=None):
-    p = parser(__doc__, timeout_s=300)
-    count = number(int, 1)
+    p = Parser(__doc__, timeout_s=300)
+    count = at_least(1)
     g = p.add_argument_group("model and data")
     g.add_argument("--n-layer", type=count, default=4, help="GPT-2 blocks, one FSDP unit each")
     g.add_argument("--n-embd", type=count, default=128, help="width")
@@ -932,13 +709,12 @@ def parse_args(argv=None):
     g = p.add_argument_group("training")
     g.add_argument("--max-steps", type=count, default=30, help="optimizer steps")
     g.add_argument("--grad-accum", type=count, default=1, help="micro-batches per step: only the last one reduces")
-    g.add_argument("--lr", type=number(float, 0, above=True), default=3e-3,
+    g.add_argument("--lr", type=at_least(1e-12, float), default=3e-3,
                    help=f"AdamW's learning rate (weight decay {WEIGHT_DECAY})")
-    g.add_argument("--clip", type=number(float, 0), default=0.0, help="clip the global gradient norm to this (0: off)")
+    g.add_argument("--clip", type=at_least(0.0, float), default=0.0, help="clip the global gradient norm (0: off)")
     g.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32", help="compute in this (master: fp32)")
     g.add_argument("--no-reshard-after-forward", action="store_true", help="keep gathered weights for backward")
-    g.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0,
-                   help="model init (same on all ranks); the data differs by rank")
+    g.add_argument("--seed", type=at_least(0), default=0, help="model init (same on all ranks); data differs by rank")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="directory: resume from its checkpoints, write one every --ckpt-every")
     g.add_argument("--ckpt-every", type=count, default=10, help="steps between checkpoints")
@@ -949,48 +725,14 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
-    for flag, path in (("--out", args.out), ("--profile", args.profile)):  # last: they make the directories
-        if path and not_a_directory(path):
-            p.error(f"{flag} {path}: {not_a_directory(path)}")
     return args
 
 
-def a_file_on_the_way(path):
-    """The file that stands where directory `path` or one of its parents should be, or None."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    return None if os.path.isdir(existing) else existing
+# --- setup: the same block in every numbered script, copied (not imported) so that each file runs on its own ---
+RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets them per process
 
 
-def not_a_directory(path):
-    """Why this run cannot write into directory `path`, or None. Decided by trying: it makes the directory (and
-    writes nothing in it); permission bits can say yes where the kernel says no (a path under /proc as root)."""
-    if a_file_on_the_way(path):
-        return f"{a_file_on_the_way(path)} is a file, not a directory"
-    try:
-        os.makedirs(path, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()
-    except OSError as e:
-        return f"cannot write there ({e.strerror or type(e).__name__})"
-    return None
-
-
-# --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
-RANK, WORLD = 0, 1
-
-
-class UsageError(Exception):
-    """Bad input: one line on rank 0 (`error: ...`), exit status 2, no traceback."""
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) or SIGTERM, raised in the main thread, so the run unwinds through its own cleanup (nothing is
-    left half-written). Code that knows where the run stopped sets `where` for run()'s one line."""
-
-    def __init__(self, signum):
-        super().__init__(signal.Signals(signum).name)
-        self.signum, self.where = signum, ""
+class UsageError(Exception): ...  # a bad flag or input: one `error:` line from rank 0 (run()), exit status 2
 
 
 def print0(*msg):  # the rank-0 narrative: printed once, not N times
@@ -998,136 +740,59 @@ def print0(*msg):  # the rank-0 narrative: printed once, not N times
         print(*msg, flush=True)
 
 
-def log(*msg):  # a per-rank line, tagged, in one write so that lines of different ranks never mix
-    sys.stdout.write(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n")
-    sys.stdout.flush()
+def log(*msg):  # a per-rank line, tagged, in one write so that the ranks' lines never mix
+    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n", end="", flush=True)
 
 
-def number(kind, low, high=math.inf, above=False):
-    """The argparse type of every numeric flag: a finite int or float from `low` (or above it) to `high`."""
+def at_least(low, kind=int):  # the argparse type of a numeric flag: a finite number >= low
     def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
-            bound = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high < math.inf else "")
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
-        return value
+        if not low <= kind(text) < math.inf:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return kind(text)
     return parse
 
 
-def parser(doc, timeout_s=120):
-    """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
-    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+class Parser(argparse.ArgumentParser):  # the flags every script shares; a bad flag raises UsageError
+    def __init__(self, doc, timeout_s=120):
+        super().__init__(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        self.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: a GPU per rank")
+        self.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with a GPU per rank, else gloo")
+        self.add_argument("--timeout-s", type=at_least(1, float), default=timeout_s, help="how long to wait for a peer")
 
-    def error(message):
+    def error(self, message):
         raise UsageError(message)
-    p.error = error
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
-    p.add_argument("--timeout-s", type=number(float, 1, 30 * 86400), default=timeout_s,
-                   help="how long a rank waits for a dead or stuck peer")
-    return p
 
 
-def choose_device(device, backend, n_gpus, local_rank, local_world):
-    """(device, backend, note) from the flags and this node's GPUs. NCCL needs a GPU per rank; gloo shares."""
-    if device == "cpu" or (device == "auto" and n_gpus == 0):
-        if backend == "nccl":
-            raise UsageError("--backend nccl runs on CUDA GPUs only: use gloo on the CPU")
-        return torch.device("cpu"), "gloo", None
-    if n_gpus == 0:
-        raise UsageError("--device cuda, but this node has no CUDA GPU: use --device cpu")
-    if n_gpus >= local_world:  # the usual GPU setup: local rank r takes cuda:r
-        return torch.device("cuda", local_rank), backend or "nccl", None
-    fix = f"start --nproc_per_node={n_gpus}, or share the GPU(s) over gloo with --device cuda --backend gloo"
-    if backend == "nccl":
-        raise UsageError(f"nccl needs one GPU per rank, but this node has {n_gpus} for {local_world} ranks: {fix}")
-    if device == "auto":
-        return torch.device("cpu"), "gloo", f"{n_gpus} GPU(s) for {local_world} ranks here, so CPU and gloo; {fix}"
-    return torch.device("cuda", local_rank % n_gpus), "gloo", f"{local_world} ranks share {n_gpus} GPU(s) over gloo"
-
-
-def setup(args, min_world=2):
-    """Choose the device, then join the process group. Global RANK names a process; LOCAL_RANK picks its GPU."""
-    global RANK, WORLD
-    RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if WORLD < min_world:
-        raise UsageError(f"needs {min_world} or more ranks: launch with torchrun, e.g. torchrun "
-                         f"--nproc_per_node={min_world} {sys.argv[0]}")
-    n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
-    device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
-                                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    if note:
-        print0(f"note: {note}")
-    if device.type == "cuda":  # before init, so NCCL binds this rank to its GPU (not device_id=: pytorch#153960)
-        torch.cuda.set_device(device)
-    # Plain `python` (no torchrun): a group of one, in memory, so the same code runs. The timeout turns a dead peer
-    # into an error after --timeout-s instead of a silent 30-minute hang.
-    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+def setup(args):  # choose the device, then join the group; returns the device
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never asks CUDA
+    per_rank = gpus >= local_world  # a GPU for every rank on this node: CUDA and NCCL (the local rank picks it)
+    on_gpu = per_rank or args.device == "cuda"  # fewer GPUs: the CPU, or with --device cuda the ranks share them
+    backend = args.backend or ("nccl" if per_rank else "gloo")  # NCCL cannot share a GPU between ranks; gloo can
+    if (on_gpu and gpus == 0) or (backend == "nccl" and not per_rank):
+        raise UsageError(f"--device {args.device} --backend {backend}: {gpus} CUDA GPU(s) for {local_world} ranks")
+    device = torch.device("cuda", local_rank % gpus) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)  # before init, so that NCCL binds this rank to its GPU
+    print0(f"device: {device.type}, {backend} (--device {args.device}, {gpus} GPU(s) for {local_world} ranks/node)")
+    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # plain `python`
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s), **alone)
     return device
 
 
 def run(main, parse_args):
-    """Bad input: one line on rank 0, exit 2. A peer that died or timed out: one line per survivor, exit 1.
-    Ctrl-C or SIGTERM: one line on rank 0, and the process ends by that signal, as a shell expects (130, 143)."""
-    # SIGTERM (a scheduler's, or torchrun passing on the Ctrl-C it got) stops a run the way Ctrl-C does.
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
-    code = 0
-    try:  # the outer try: a signal may land anywhere, even while the inner one reports a lost peer
-        try:
-            main(parse_args())
-        except UsageError as e:
-            if os.environ.get("RANK", "0") == "0":  # every rank stops alike; one says why
-                print(f"error: {e}", file=sys.stderr, flush=True)
-            code = 2
-        except RuntimeError as e:  # NCCL raises DistError; gloo, RuntimeErrors from torch.distributed or its transport
-            where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
-            if signalled(e) or not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where
-                                    or "gloo/" in text):
-                raise  # a bug in this rank's own code keeps its traceback; a signal goes to the outer try
-            what = "timed out waiting for a peer" if "timed out" in text.lower() else "lost a peer"
-            log(f"error: {what} ({text.strip().splitlines()[0][:160]})")
-            os._exit(1)  # no teardown: it would wait for the dead peer
-        if dist.is_initialized():
-            dist.destroy_process_group()
-            # gloo's threads may still hold the last reference to a finished collective; freeing it takes the GIL,
-            # which no thread gets once the interpreter is finalising ("terminate called without an active
-            # exception", SIGABRT). A moment here lets them finish first.
-            time.sleep(0.05)
-    except BaseException as e:
-        stop = signalled(e)
-        if stop is None:
-            raise
-        if os.environ.get("RANK", "0") == "0":  # every rank got the signal (torchrun passes it on); one says where
-            where = f" {stop.where}" if stop.where else ""
-            print(f"interrupted by {stop}{where}", file=sys.stderr, flush=True)
-        end_by_signal(stop.signum)  # no teardown: the peers are stopping too
-    sys.exit(code)
-
-
-def signalled(e):
-    """The Interrupted behind exception `e`, or None. A signal that lands inside a library can come back as that
-    library's own error, raised while handling it (torch.save's "unexpected pos" when its write was cut short)."""
-    while e is not None and not isinstance(e, Interrupted):
-        e = e.__context__
-    return e
-
-
-def interrupt(signum, frame):
-    # Only the first signal: a second Ctrl-C must not cut the way out (cleanup, the one line) short with a traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Interrupted(signum)
-
-
-def end_by_signal(signum):
-    """End this process as the signal would have: its parent (a shell, torchrun) sees an interrupt, not a failure."""
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    try:
+        main(parse_args())
+    except UsageError as e:  # every rank stops alike, exit 2; rank 0 says why
+        print0(f"error: {e}")
+        sys.exit(2)
+    except RuntimeError as e:  # a peer died, or a collective outlived --timeout-s: one line per rank, exit 1
+        if not (isinstance(e, dist.DistError) or "gloo" in str(e)):
+            raise  # a bug in the script keeps its traceback
+        log(f"error: a peer died or timed out: {str(e).strip().splitlines()[0][:200]}")
+        os._exit(1)  # no teardown: it would wait for the dead peer
+    dist.destroy_process_group()  # main() always joins the group first (setup)
+    time.sleep(0.05)  # gloo's threads drop their last tensors before the interpreter ends (else SIGABRT)
 
 
 if __name__ == "__main__":

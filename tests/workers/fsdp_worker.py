@@ -81,8 +81,8 @@ def loss_of(model, x):
 
 def shard_both(base, group=None, unit_class=fsdp.Unit, **mp):
     """Two copies of base: one sharded by ours, one by PyTorch's fully_shard, block by block, then the root (over
-    `group`, default all ranks: ours takes the group, fully_shard a mesh made from it). unit_class: 08's TracedUnit
-    where a check reads what it records."""
+    `group`, default all ranks: ours takes the group, fully_shard a mesh made from it). unit_class: 08's
+    CountingUnit where a check reads the bytes it counts."""
     ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")  # without one: the machine's accelerator
     for m in [*ours.blocks, ours]:
@@ -225,7 +225,7 @@ def check_memory_and_traffic():
     and two blocks gathered at once; bytes sent equal to fully_shard's (counted through its custom comm hooks)."""
     torch.manual_seed(3)
     base = Toy(blocks=4)
-    ours, theirs = shard_both(base, unit_class=fsdp.TracedUnit)  # it counts the bytes it sends
+    ours, theirs = shard_both(base, unit_class=fsdp.CountingUnit)  # it counts the bytes it sends
     numel = sum(p.numel() for p in base.parameters())
     padded = sum(-(-len(p) // WORLD) * p[0].numel() for p in base.parameters())
     units = fsdp._units(ours)
@@ -275,13 +275,39 @@ def check_memory_and_traffic():
     return padded, numel
 
 
+class TracedUnit(fsdp.Unit):
+    """08's Unit, also recording forwards, backwards and launches in the order they happen (on the root: the last
+    step's). Every override calls Unit's own."""
+
+    def pre_forward(self, module, args, kwargs):
+        if self.root is None or self.root is self:  # the root, starting a forward: a new step's record
+            self.events = []
+        args, kwargs = super().pre_forward(module, args, kwargs)
+        self.root.events.append(f"forward {self.name}")
+        return args, kwargs
+
+    def pre_backward(self, grad):
+        starts = self.state != "backward"  # not when another of its outputs started it
+        super().pre_backward(grad)  # launches the previous unit's all-gather first
+        if starts:
+            self.root.events.append(f"backward {self.name}")
+
+    def start_gather(self):
+        self.root.events.append(f"all-gather {self.name}")
+        return super().start_gather()
+
+    def start_reduce(self, rows):
+        self.root.events.append(f"reduce-scatter {self.name}")
+        return super().start_reduce(rows)
+
+
 def check_launch_order():
     """The next unit's all-gather is launched before the current one computes, forward and backward, and each
     block's reduce-scatter is launched while backward goes on."""
     torch.manual_seed(4)
     model = Toy(blocks=4)
     for m in [*model.blocks, model]:
-        fsdp.fully_shard(m, unit_class=fsdp.TracedUnit)  # it records the events
+        fsdp.fully_shard(m, unit_class=TracedUnit)  # it records the events
     for step in range(2):  # the second step shows the steady state
         loss_of(model, data(step, RANK)).backward()
     ev = model.fsdp_unit.events
