@@ -14,7 +14,8 @@ Run it (the default trains a small GPT-2 offline on Python's own standard librar
                   --dataset-config wikitext-2-raw-v1 --seq-len 512 --compile
   2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 \\
                   05_manual_ddp_gpt2.py --out ckpt
-  restarts:   torchrun --nproc_per_node=2 --max-restarts=3 05_manual_ddp_gpt2.py --out ckpt --crash-at-step 100
+  restarts:   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 \\
+                  05_manual_ddp_gpt2.py --out ckpt --crash-at-step 100   (pytorch#135712: the variable)
   compare:    torchrun --nproc_per_node=4 05_manual_ddp_gpt2.py --impl torch   (or naive)
 """
 
@@ -646,10 +647,10 @@ def parse_args(argv=None):
     g.add_argument("--text-column", default="text", help="column holding the text")
     g.add_argument("--stdlib-files", type=count, default=40, help="how many stdlib .py files --dataset stdlib reads")
     g = p.add_argument_group("training")
-    g.add_argument("--batch-size", type=count, default=8, help="sequences per rank per micro-batch")
+    g.add_argument("--batch-size", type=count, default=4, help="sequences per rank per micro-batch")
     g.add_argument("--grad-accum", type=count, default=1, help="micro-batches per optimizer step (no_sync between)")
     g.add_argument("--seq-len", type=count, default=128, help="tokens per sequence")
-    g.add_argument("--max-steps", type=count, default=300, help="optimizer steps")
+    g.add_argument("--max-steps", type=count, default=200, help="optimizer steps")
     g.add_argument("--lr", type=at_least(1e-12, float), default=2e-3, help="peak learning rate")
     g.add_argument("--warmup-steps", type=at_least(0), default=30, help="linear warm-up steps before cosine decay")
     g.add_argument("--weight-decay", type=nonnegative, default=0.1, help="AdamW weight decay")

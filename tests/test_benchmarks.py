@@ -50,11 +50,11 @@ def test_ddp_step_benchmark(tmp_path):
     impls = report["impls"]
     assert set(impls) == {"manual", "naive", "torch", "none"}
     assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 for r in impls.values())
-    # Exact, not timed: ManualDDP's gradients are views of its buckets (one copy, like no DDP at all), PyTorch's
+    # Exact, not timed: DDPCore's gradients are views of its buckets (one copy, like no DDP at all), PyTorch's
     # DDP (gradient_as_bucket_view=False) holds two; the buckets hold every gradient once; and the peak from
     # allocation records ranks no DDP below either DDP. The peak of either DDP moves by one set of gradients
     # between identical runs (whether gloo has finished a bucket before backward frees an activation: measured
-    # 4.99 or 5.45 MiB for both here, at random), so ManualDDP's is compared with PyTorch's within that.
+    # 4.99 or 5.45 MiB for both here, at random), so DDPCore's is compared with PyTorch's within that.
     held = {k: v["grad_buffers_mb"] for k, v in impls.items()}
     assert held["manual"] == pytest.approx(held["none"]) and held["torch"] == pytest.approx(2 * held["none"])
     assert sum(report["buckets_mb"]) == pytest.approx(held["none"])

@@ -251,6 +251,7 @@ def check_pickle():
     saved.seek(0)
     theirs = pairs[1][0]  # not DDP's copy: on 4 ranks a deep-copied DDP differs from its original in the last bit
     loaded = torch.load(saved, weights_only=False)
+    assert type(loaded).__module__ == "ddp_dropin", type(loaded)  # what a new process imports to load it
     lockstep([(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (loaded, theirs)], 2, "torch.save/load copy")
     deep = copy.deepcopy(loaded)
     lockstep([(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (deep, theirs)], 1, "deep copy")
