@@ -49,6 +49,8 @@ def ping_pong(device, sizes, iters):
 
 
 def main(args):
+    if lesson.WORLD < 2:
+        raise lesson.UsageError("a ping-pong needs 2 ranks: torchrun --nproc_per_node=2 benchmarks/send_recv.py")
     device = lesson.setup(args)
     if device.type == "cuda" and dist.get_backend() == "gloo":  # a copy through the CPU would be measured instead
         raise lesson.UsageError("gloo's send/recv move CPU tensors only: measure GPU messages with --backend nccl "
@@ -69,13 +71,11 @@ def main(args):
 
 
 def parse_args():
-    p = lesson.parser(__doc__)
-    p.add_argument("--max-bytes", type=int, default=4 << 20, help="largest message")
-    p.add_argument("--iters", type=int, default=50, help="round trips per small message size")
+    p = lesson.Parser(__doc__)
+    p.add_argument("--max-bytes", type=lesson.at_least(4), default=4 << 20, help="largest message")
+    p.add_argument("--iters", type=lesson.at_least(1), default=50, help="round trips per small message size")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     a = p.parse_args()
-    if a.max_bytes < 4 or a.iters < 1:
-        p.error("--max-bytes must be >= 4 and --iters >= 1")
     try:
         check_writable(a.json, "--json")
     except OSError as e:

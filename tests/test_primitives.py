@@ -27,6 +27,9 @@ def test_script_checks_itself(name, nproc):
     tagged = per_rank_lines(res.output, nproc)
     if name != "03_all_reduce.py":
         assert tagged and [r for r, _ in tagged] == list(range(nproc)) * (len(tagged) // nproc), res.output
+    if name == "01_send_recv.py":  # a row of torchrun's variables per rank: RANK 0..N-1, each with WORLD_SIZE N
+        rows = [ln.split(" | ") for ln in res.output.splitlines() if re.match(r"\| \d+ \| \d+ \| \d+ \|", ln)]
+        assert [(row[0], row[3]) for row in rows] == [(f"| {r}", str(nproc)) for r in range(nproc)], res.output
     if name == "02_broadcast.py":  # every rank starts with a tensor of its own and ends with src's
         before = [text for _, text in tagged if text.startswith("before dist.broadcast")]
         after = [text.split(": ", 1)[1] for _, text in tagged if text.startswith("after  dist.broadcast")]
