@@ -18,7 +18,6 @@ Run it:
 """
 
 import argparse
-import atexit
 import contextlib
 import copy
 import ctypes
@@ -26,10 +25,8 @@ import functools
 import itertools
 import math
 import os
-import signal
 import sys
 import time
-import traceback
 from datetime import timedelta
 
 import torch
@@ -74,12 +71,6 @@ class _Bucket:
             start += p.numel()
 
 
-def _let_gloo_threads_finish():
-    """At exit, while the interpreter is still whole: give up the GIL a moment, so that a gloo worker thread that
-    still has to free a Work (its destructor takes the GIL) does it now, not during finalisation (SIGABRT)."""
-    time.sleep(0.05)
-
-
 class ZeroDDP(nn.Module):
     """DDP and its optimizer in one; the optimizer state (stage 1) and the gradients too (stage 2) are sharded.
 
@@ -101,8 +92,6 @@ class ZeroDDP(nn.Module):
             raise ValueError(f"ZeroDDP: bucket_cap_mb must be positive, got {bucket_cap_mb}")
         optimizer_class([torch.zeros(1)], **defaults)  # bad options fail here, on all ranks, before any collective
         self.module, self.stage, self.group = module, stage, process_group or dist.group.WORLD
-        atexit.unregister(_let_gloo_threads_finish)  # once per process, however many wrappers
-        atexit.register(_let_gloo_threads_finish)
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.root = dist.get_global_rank(self.group, 0)
         groups = list(module.parameters() if params is None else params)
@@ -120,14 +109,12 @@ class ZeroDDP(nn.Module):
         caps = [1, 25] if bucket_cap_mb is None else [bucket_cap_mb]
         self.buckets, cur, size = [], [], 0
         for p in reversed([p for p in module.parameters() if p.requires_grad and p in number]):
-            if cur and (p.dtype != cur[0].dtype or p.device != cur[0].device):
+            full = size >= caps[min(len(self.buckets), len(caps) - 1)] * 2**20
+            if cur and (full or p.dtype != cur[0].dtype or p.device != cur[0].device):  # one dtype, one device
                 self.buckets.append(_Bucket(cur, self.world, self.rank, stage))
                 cur, size = [], 0
             cur.append(p)
             size += p.numel() * p.element_size()
-            if size >= caps[min(len(self.buckets), len(caps) - 1)] * 2**20:
-                self.buckets.append(_Bucket(cur, self.world, self.rank, stage))
-                cur, size = [], 0
         if cur:
             self.buckets.append(_Bucket(cur, self.world, self.rank, stage))
         group_of, pieces = {p: k for k, g in enumerate(groups) for p in g["params"]}, [[] for _ in groups]
@@ -140,7 +127,7 @@ class ZeroDDP(nn.Module):
         self._queued, self._next, self._inflight, self._accumulate = False, 0, [], False
         self.require_backward_grad_sync = True  # DDP's name for it: off inside no_sync()
         self.broadcast_buffers, self.require_forward_param_sync = broadcast_buffers, True  # DDP's names too
-        self.gloo = dist.get_backend(self.group) == "gloo"  # see _scatter
+        self.gloo = dist.get_backend(self.group) == "gloo"  # see _reduce_scatter
         # Stage 2's transients (full-size buckets of gradients, alive while they fill and travel) may take at most
         # half of what sharding the gradients saves, or one bucket where a bucket is larger: so stage 2 keeps most
         # of its saving on any model, overlapping as much communication with backward as that allows.
@@ -200,34 +187,38 @@ class ZeroDDP(nn.Module):
     def _launch_ready(self):
         # Strictly in bucket order on every rank: collectives are matched by the order ranks issue them.
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            b = self.buckets[self._next]
             if self.stage == 1:
-                self._all_reduce(b)
-            elif not self._accumulate:
-                self._reduce_scatter(b)
+                self._all_reduce(self.buckets[self._next])
             else:
-                self._reduce_scatter_and_add(b)
+                self._reduce_scatter(self.buckets[self._next])
             self._next += 1
 
     def _all_reduce(self, b):
         """Stage 1, as DDP: all-reduce the whole bucket; every rank receives the whole mean, into b.grad."""
-        if self._accumulate:  # a second backward before zero_grad(): DDP's .grad is the last mean plus the new one
-            for p, last in zip(b.params, b.grad[: b.used].split(b.numels)):
-                p.grad = last.view_as(p) if p.grad is None else p.grad.add_(last.view_as(p))
-        self._take_gradients(b, b.grad)
-        self._sent(dist.all_reduce(b.grad, group=self.group, async_op=True), b, None)
+        for p, view in zip(b.params, b.grad[: b.used].split(b.numels)):
+            if self._accumulate:  # a backward before zero_grad(): DDP's .grad is the last mean plus the new gradient
+                p.grad = view.view_as(p) if p.grad is None else p.grad.add_(view.view_as(p))
+            if p.grad is None:  # no gradient on this rank: it counts as zero in the mean
+                view.zero_()
+            else:  # divide BEFORE the sum, with DDP's own multiply: no fp16 overflow, and DDP's bits
+                torch.mul(p.grad, 1 / self.world, out=view.view_as(p))
+            p.grad = None  # the bucket has it now: autograd's copy is freed
+        b.grad[b.used :].zero_()
+        # (Work, bucket, stage 2's transient, stage 2's shard, add it?): kept until waited for in _finish.
+        self._inflight.append((dist.all_reduce(b.grad, group=self.group, async_op=True), b, None, None, False))
 
     def _reduce_scatter(self, b):
-        """Stage 2: the all-reduce's first half only. Each rank receives the mean of its own shard, into b.grad;
+        """Stage 2: the all-reduce's first half only. Each rank receives the mean of its own shard, into b.grad
+        (after a backward before zero_grad(), into a shard of its own, added to the last mean once it is there);
         the whole bucket exists only while it fills and travels (its transient, freed once it is sent)."""
         full = self._transient_gradients(b)
-        self._sent(self._scatter(full, b.grad), b, full, b.grad)
-
-    def _reduce_scatter_and_add(self, b):
-        """Stage 2, a second backward before zero_grad(): the new mean of my shard arrives in a shard of its own,
-        added to the last mean when it is there."""
-        full, new = self._transient_gradients(b), torch.empty_like(b.grad)
-        self._sent(self._scatter(full, new), b, full, new, add=True)
+        out = torch.empty_like(b.grad) if self._accumulate else b.grad
+        if self.gloo:  # gloo has no reduce-scatter: its reduce_scatter_single all-reduces a copy of the whole
+            # buffer and keeps one chunk. The same all-reduce in place gives the same bits without the copy.
+            work = dist.all_reduce(full, group=self.group, async_op=True)
+        else:
+            work = reduce_scatter(out, full, group=self.group, async_op=True)
+        self._inflight.append((work, b, full, out, self._accumulate))
 
     def _transient_gradients(self, b):
         """Stage 2: the bucket's transient, times 1/N (before the sum, DDP's own multiply: no fp16 overflow, and DDP's
@@ -242,29 +233,10 @@ class ZeroDDP(nn.Module):
             p.grad = None  # the bucket has it now
         return full.mul_(1 / self.world)
 
-    def _scatter(self, full, out):
-        if self.gloo:  # gloo has no reduce-scatter: its reduce_scatter_single all-reduces a copy of the whole
-            # buffer and keeps one chunk. The same all-reduce in place gives the same bits without the copy.
-            return dist.all_reduce(full, group=self.group, async_op=True)
-        return reduce_scatter(out, full, group=self.group, async_op=True)
-
     def _make_room(self, b):
         """Wait for the oldest transients in flight until b's fits in the budget beside the others."""
         while self._inflight and sum(t[2].nbytes for t in self._inflight) + b.flat.nbytes > self._budget:
             self._wait(self._inflight.pop(0))
-
-    def _take_gradients(self, b, full):
-        """Stage 1: the bucket's gradients times 1/N into `full`, laid out as b.flat; autograd's copies are freed."""
-        for p, view in zip(b.params, full[: b.used].split(b.numels)):
-            if p.grad is None:  # no gradient on this rank: it counts as zero in the mean
-                view.zero_()
-            else:  # divide BEFORE the sum, with DDP's own multiply: no fp16 overflow, and DDP's bits
-                torch.mul(p.grad, 1 / self.world, out=view.view_as(p))
-            p.grad = None  # the bucket has it now
-        full[b.used :].zero_()
-
-    def _sent(self, work, b, full, out=None, add=False):
-        self._inflight.append((work, b, full, out, add))  # full: stage 2's transient, alive until waited for
 
     def _wait(self, inflight):
         work, b, full, out, add = inflight
@@ -301,13 +273,51 @@ class ZeroDDP(nn.Module):
         self._accumulate = False
         self.module.zero_grad(set_to_none)
 
+    # Checkpoints: the plain optimizer's state_dict, put together from the shards, and back.
     def state_dict(self):
-        """The plain optimizer's state_dict, gathered to the group's rank 0 (after the lesson: optimizer_state)."""
-        return optimizer_state(self)
+        """The plain optimizer's state_dict, gathered to the group's rank 0 (CPU tensors; None on the others).
+        A state tensor shaped like its piece is per element, put together from the shards; anything else is per
+        parameter (AdamW's step) and the same in every shard."""
+        mine = []
+        for piece, i, off in self.pieces:
+            for k, v in self.optim.state.get(piece, {}).items():
+                per_element = torch.is_tensor(v) and v.shape == piece.shape
+                mine.append((i, k, off if per_element else None, v.cpu() if torch.is_tensor(v) else v))
+        everyone = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, everyone, dst=self.root, group=self.group)  # every rank must call state_dict()
+        if self.rank != 0:
+            return None
+        state = {}
+        for i, k, off, v in [t for rank_state in everyone for t in rank_state]:
+            whole = state.setdefault(i, {})
+            if off is None:
+                whole[k] = v
+                continue
+            if k not in whole:
+                whole[k] = torch.zeros(self.params[i].shape, dtype=v.dtype)
+            whole[k].view(-1)[off : off + len(v)] = v
+        groups = [dict(g, params=numbers) for g, numbers in zip(self.optim.param_groups, self.numbers)]
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
 
     def load_state_dict(self, state_dict):
-        """Load a plain optimizer's state_dict: every rank passes all of it (after the lesson: load_optimizer_state)."""
-        load_optimizer_state(self, state_dict)
+        """Load a plain optimizer's state_dict (from state_dict(), or saved without ZeRO): every rank passes all
+        of it and keeps the slices of its own shard."""
+        saved = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved] != [len(numbers) for numbers in self.numbers]:
+            raise ValueError("ZeroDDP.load_state_dict: the parameter groups differ from this optimizer's")
+        # Saved and our parameter numbers, matched position by position within each group (as torch.optim does).
+        by_number = {i: state_dict["state"].get(s, {}) for g, numbers in zip(saved, self.numbers)
+                     for s, i in zip(g["params"], numbers)}
+        state = {}
+        for k, (piece, i, off) in enumerate(self.pieces):
+            for key, v in by_number[i].items():
+                if torch.is_tensor(v) and v.shape == self.params[i].shape:  # per element: my slice of it
+                    v = v.reshape(-1)[off : off + piece.numel()]
+                # A copy: torch's load_state_dict would keep the caller's tensor (always the step) and step it.
+                state.setdefault(k, {})[key] = v.clone() if torch.is_tensor(v) else v
+        ours = self.optim.state_dict()["param_groups"]  # our optimizer's own numbers for its pieces
+        groups = [dict(g, params=mine["params"]) for g, mine in zip(saved, ours)]
+        self.optim.load_state_dict({"state": state, "param_groups": groups})
 
 
 # --- model, data, what a rank holds ---
@@ -315,7 +325,8 @@ NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2"}
 
 
 def build_model(args, device):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, logging
+    logging.set_verbosity_error()  # its notes on the config we set on purpose
     torch.manual_seed(args.seed)  # the same seed on every rank: identical replicas (the wrappers broadcast anyway)
     cfg = GPT2Config(vocab_size=args.vocab_size, n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer,
                      n_head=args.n_embd // 64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -336,24 +347,6 @@ def held_bytes(*tensor_lists):
     """Bytes of the distinct storages behind each list of tensors: what a rank really holds, padding included."""
     return [sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
             for ts in tensor_lists]
-
-
-def check_memory(nbytes, what, device):
-    """One line before the work if `what` cannot fit: `nbytes`, a lower bound of what it needs, against this rank's
-    share of its device's free memory (a node's RAM and a shared GPU are split between their ranks)."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if device.type == "cuda":
-        free, sharing = torch.cuda.mem_get_info(device)[0], -(-local_world // torch.cuda.device_count())
-    else:
-        free, sharing = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), local_world
-        if os.path.exists("/proc/meminfo"):  # Linux says what is available: free, and cache it can drop
-            with open("/proc/meminfo") as f:
-                free = next((int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:")), free)
-    share = torch.tensor([free / sharing], dtype=torch.float64, device=device)
-    dist.all_reduce(share, op=dist.ReduceOp.MIN)  # the smallest share decides, so every rank decides alike
-    if nbytes > share.item():
-        raise UsageError(f"{what} would need at least {nbytes / 2**30:,.1f} GiB, more than this rank's share of "
-                         f"{device.type} memory ({share.item() / 2**30:,.1f} GiB)")
 
 
 def memory_status():
@@ -420,10 +413,6 @@ def check(runs, kinds, device, atol):
     or 2 ranks; README), else to ``atol``. One verdict for all ranks, so that all of them raise or none does."""
     exact = dist.get_backend() == "gloo" or WORLD <= 2
     ref = torch.cat([p.detach().reshape(-1) for p in runs[0]["model"].parameters()])
-    finite = torch.tensor([float(ref.isfinite().all())], device=device)
-    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-    if not finite.item():  # NaN equals nothing, itself included: say what really happened
-        raise UsageError("training diverged: DDP's weights are not finite (try a smaller --lr)")
     for kind in kinds[1:]:
         w = torch.cat([p.detach().reshape(-1) for p in runs[kind]["model"].parameters()])
         rank0 = w.clone()
@@ -438,7 +427,7 @@ def check(runs, kinds, device, atol):
 
 
 def main(args):
-    device = setup(args, min_world=1)
+    device = setup(args)
     if device.type == "cpu" and sys.platform == "linux":
         ctypes.CDLL(None).mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD (see peak_memory)
     if device.type == "cuda":
@@ -447,28 +436,19 @@ def main(args):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
         torch.use_deterministic_algorithms(True)
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} torch={torch.__version__}")
-    import transformers
-    transformers.logging.set_verbosity_error()
-    # A lower bound of what a rank holds at once: the embeddings of the model and of the copy being trained
-    # (weights, gradients, AdamW's moments: 16 bytes an element), and one batch's logits in float32.
-    embeddings = (args.vocab_size + args.seq_len) * args.n_embd
-    check_memory(2 * 16 * embeddings + 4 * args.batch_size * args.seq_len * args.vocab_size,
-                 f"--vocab-size {args.vocab_size} x --seq-len {args.seq_len} x --batch-size {args.batch_size}", device)
     base = build_model(args, device)
     n = sum(p.numel() for p in base.parameters())
     print0(f"GPT-2: {n / 1e6:.2f}M parameters, {4 * n / 2**20:.1f} MiB in fp32, AdamW's state {8 * n / 2**20:.1f} MiB "
            f"| {args.steps} steps of {args.batch_size}x{args.seq_len} random tokens per rank")
-    kinds = [0, 1, 2]
-    if args.stage:
-        kinds = [0, args.stage]
+    kinds = [0, args.stage] if args.stage else [0, 1, 2]  # DDP (kind 0) first: the reference
     loss_of(base, tokens(0, args, device)).backward()  # lazy initialisation (thread pools, kernels) before measuring
     base.zero_grad(set_to_none=True)
     runs = {}
     for kind in kinds:
         result, peak = peak_memory(functools.partial(train, kind, base, args, device), device)
         runs[kind] = dict(result, peak=peak)
-        losses = result["losses"]
-        print0(f"{NAMES[kind]:<6} | rank 0 loss {losses[0]:.4f} -> {losses[-1]:.4f} | {result['ms']:7.1f} ms/step")
+        first, last = result["losses"][0], result["losses"][-1]
+        print0(f"{NAMES[kind]:<6} | rank 0 loss {first:.4f} -> {last:.4f} | {result['ms']:7.1f} ms/step")
     # Where sums differ in the last bit, AdamW moves an element by a small part of lr a step (README: 2.3e-6 in 5
     # steps at lr 1e-3 on gloo with mismatched layouts): allow 1% of lr a step.
     atol = 0.01 * args.lr * args.steps
@@ -487,92 +467,32 @@ def main(args):
            f"{'bit-identical to' if exact else f'within {atol:.1e} of'} DDP + AdamW's, ranks identical")
 
 
-# --- ZeroDDP's checkpoints: the plain optimizer's state_dict, put together from the shards ---
-def optimizer_state(zero):
-    """The plain optimizer's state_dict, gathered to the group's rank 0 (CPU tensors; None on the others).
-    A state tensor shaped like its piece is per element, put together from the shards; anything else is per
-    parameter (AdamW's step) and the same in every shard."""
-    mine = []
-    for piece, i, off in zero.pieces:
-        for k, v in zero.optim.state.get(piece, {}).items():
-            per_element = torch.is_tensor(v) and v.shape == piece.shape
-            mine.append((i, k, off if per_element else None, v.cpu() if torch.is_tensor(v) else v))
-    everyone = [None] * zero.world if zero.rank == 0 else None
-    dist.gather_object(mine, everyone, dst=zero.root, group=zero.group)  # every rank must call state_dict()
-    if zero.rank != 0:
-        return None
-    state = {}
-    for i, k, off, v in [t for rank_state in everyone for t in rank_state]:
-        whole = state.setdefault(i, {})
-        if off is None:
-            whole[k] = v
-            continue
-        if k not in whole:
-            whole[k] = torch.zeros(zero.params[i].shape, dtype=v.dtype)
-        whole[k].view(-1)[off : off + len(v)] = v
-    groups = [dict(g, params=numbers) for g, numbers in zip(zero.optim.param_groups, zero.numbers)]
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-
-def load_optimizer_state(zero, state_dict):
-    """Load a plain optimizer's state_dict (from state_dict(), or saved without ZeRO): every rank passes all
-    of it and keeps the slices of its own shard."""
-    saved = state_dict["param_groups"]
-    if [len(g["params"]) for g in saved] != [len(numbers) for numbers in zero.numbers]:
-        raise ValueError("ZeroDDP.load_state_dict: the parameter groups differ from this optimizer's")
-    # Saved and our parameter numbers, matched position by position within each group (as torch.optim does).
-    by_number = {i: state_dict["state"].get(s, {}) for g, numbers in zip(saved, zero.numbers)
-                 for s, i in zip(g["params"], numbers)}
-    state = {}
-    for k, (piece, i, off) in enumerate(zero.pieces):
-        for key, v in by_number[i].items():
-            if torch.is_tensor(v) and v.shape == zero.params[i].shape:  # per element: my slice of it
-                v = v.reshape(-1)[off : off + piece.numel()]
-            # A copy: torch's load_state_dict would keep the caller's tensor (always the step) and step it.
-            state.setdefault(k, {})[key] = v.clone() if torch.is_tensor(v) else v
-    ours = zero.optim.state_dict()["param_groups"]  # our optimizer's own numbers for its pieces
-    groups = [dict(g, params=mine["params"]) for g, mine in zip(saved, ours)]
-    zero.optim.load_state_dict({"state": state, "param_groups": groups})
-
-
 # --- command line ---
 def parse_args(argv=None):
-    p = parser(__doc__)
-    count = number(int, 1)
+    p = Parser(__doc__)
     p.add_argument("--stage", type=int, choices=[1, 2], default=None, help="one ZeRO stage (default both; DDP always)")
-    p.add_argument("--steps", type=count, default=5, help="optimizer steps per run")
-    p.add_argument("--n-layer", type=count, default=4, help="GPT-2 layers")
-    p.add_argument("--n-embd", type=number(int, 64), default=256, help="GPT-2 width, a multiple of 64 (a head each)")
-    p.add_argument("--vocab-size", type=count, default=4096, help="tokens in the vocabulary")
-    p.add_argument("--seq-len", type=count, default=128, help="tokens per sequence")
-    p.add_argument("--batch-size", type=count, default=4, help="sequences per rank per step")
-    p.add_argument("--bucket-cap-mb", type=number(float, 0, 2**20, above=True), default=1.0,
+    p.add_argument("--steps", type=at_least(1), default=5, help="optimizer steps per run")
+    p.add_argument("--n-layer", type=at_least(1), default=4, help="GPT-2 layers")
+    p.add_argument("--n-embd", type=at_least(64), default=256, help="GPT-2 width, a multiple of 64 (a head each)")
+    p.add_argument("--vocab-size", type=at_least(1), default=4096, help="tokens in the vocabulary")
+    p.add_argument("--seq-len", type=at_least(1), default=128, help="tokens per sequence")
+    p.add_argument("--batch-size", type=at_least(1), default=4, help="sequences per rank per step")
+    p.add_argument("--bucket-cap-mb", type=at_least(0.001, float), default=1.0,
                    help="gradient bucket size, for DDP and ZeRO alike")
-    p.add_argument("--lr", type=number(float, 0, above=True), default=1e-3,
+    p.add_argument("--lr", type=at_least(0.0, float), default=1e-3,
                    help=f"AdamW learning rate (weight decay {WEIGHT_DECAY} on matrices)")
-    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0,
-                   help="model init (same on all ranks); the data adds the rank")
+    p.add_argument("--seed", type=at_least(0), default=0, help="model init (same on all ranks); the data adds the rank")
     args = p.parse_args(argv)
     if args.n_embd % 64:
         p.error(f"--n-embd must be a multiple of 64 (one attention head per 64), got {args.n_embd}")
     return args
 
 
-# --- distributed setup: the same block in every numbered script, copied (not imported) so each file runs alone ---
-RANK, WORLD = 0, 1
+# --- setup: the same block in every numbered script, copied (not imported) so that each file runs on its own ---
+RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets them per process
 
 
-class UsageError(Exception):
-    """Bad input: one line on rank 0 (`error: ...`), exit status 2, no traceback."""
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) or SIGTERM, raised in the main thread, so the run unwinds through its own cleanup (nothing is
-    left half-written). Code that knows where the run stopped sets `where` for run()'s one line."""
-
-    def __init__(self, signum):
-        super().__init__(signal.Signals(signum).name)
-        self.signum, self.where = signum, ""
+class UsageError(Exception): ...  # a bad flag or input: one `error:` line from rank 0 (run()), exit status 2
 
 
 def print0(*msg):  # the rank-0 narrative: printed once, not N times
@@ -580,136 +500,59 @@ def print0(*msg):  # the rank-0 narrative: printed once, not N times
         print(*msg, flush=True)
 
 
-def log(*msg):  # a per-rank line, tagged, in one write so that lines of different ranks never mix
-    sys.stdout.write(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n")
-    sys.stdout.flush()
+def log(*msg):  # a per-rank line, tagged, in one write so that the ranks' lines never mix
+    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n", end="", flush=True)
 
 
-def number(kind, low, high=math.inf, above=False):
-    """The argparse type of every numeric flag: a finite int or float from `low` (or above it) to `high`."""
+def at_least(low, kind=int):  # the argparse type of a numeric flag: a finite number >= low
     def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not (math.isfinite(value) and (value > low if above else value >= low) and value <= high):
-            bound = f"{'>' if above else '>='} {low}" + (f" and <= {high}" if high < math.inf else "")
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
-        return value
+        if not low <= kind(text) < math.inf:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return kind(text)
     return parse
 
 
-def parser(doc, timeout_s=120):
-    """argparse with the flags every script shares; a bad flag is one line on rank 0, not a usage text per rank."""
-    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+class Parser(argparse.ArgumentParser):  # the flags every script shares; a bad flag raises UsageError
+    def __init__(self, doc, timeout_s=120):
+        super().__init__(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        self.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: a GPU per rank")
+        self.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with a GPU per rank, else gloo")
+        self.add_argument("--timeout-s", type=at_least(1, float), default=timeout_s, help="how long to wait for a peer")
 
-    def error(message):
+    def error(self, message):
         raise UsageError(message)
-    p.error = error
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA if GPUs >= ranks")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: nccl if every rank has a GPU")
-    p.add_argument("--timeout-s", type=number(float, 1, 30 * 86400), default=timeout_s,
-                   help="how long a rank waits for a dead or stuck peer")
-    return p
 
 
-def choose_device(device, backend, n_gpus, local_rank, local_world):
-    """(device, backend, note) from the flags and this node's GPUs. NCCL needs a GPU per rank; gloo shares."""
-    if device == "cpu" or (device == "auto" and n_gpus == 0):
-        if backend == "nccl":
-            raise UsageError("--backend nccl runs on CUDA GPUs only: use gloo on the CPU")
-        return torch.device("cpu"), "gloo", None
-    if n_gpus == 0:
-        raise UsageError("--device cuda, but this node has no CUDA GPU: use --device cpu")
-    if n_gpus >= local_world:  # the usual GPU setup: local rank r takes cuda:r
-        return torch.device("cuda", local_rank), backend or "nccl", None
-    fix = f"start --nproc_per_node={n_gpus}, or share the GPU(s) over gloo with --device cuda --backend gloo"
-    if backend == "nccl":
-        raise UsageError(f"nccl needs one GPU per rank, but this node has {n_gpus} for {local_world} ranks: {fix}")
-    if device == "auto":
-        return torch.device("cpu"), "gloo", f"{n_gpus} GPU(s) for {local_world} ranks here, so CPU and gloo; {fix}"
-    return torch.device("cuda", local_rank % n_gpus), "gloo", f"{local_world} ranks share {n_gpus} GPU(s) over gloo"
-
-
-def setup(args, min_world=2):
-    """Choose the device, then join the process group. Global RANK names a process; LOCAL_RANK picks its GPU."""
-    global RANK, WORLD
-    RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if WORLD < min_world:
-        raise UsageError(f"needs {min_world} or more ranks: launch with torchrun, e.g. torchrun "
-                         f"--nproc_per_node={min_world} {sys.argv[0]}")
-    n_gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never touches CUDA
-    device, backend, note = choose_device(args.device, args.backend, n_gpus, int(os.environ.get("LOCAL_RANK", 0)),
-                                          int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    if note:
-        print0(f"note: {note}")
-    if device.type == "cuda":  # before init, so NCCL binds this rank to its GPU (not device_id=: pytorch#153960)
-        torch.cuda.set_device(device)
-    # Plain `python` (no torchrun): a group of one, in memory, so the same code runs. The timeout turns a dead peer
-    # into an error after --timeout-s instead of a silent 30-minute hang.
-    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+def setup(args):  # choose the device, then join the group; returns the device
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never asks CUDA
+    per_rank = gpus >= local_world  # a GPU for every rank on this node: CUDA and NCCL (the local rank picks it)
+    on_gpu = per_rank or args.device == "cuda"  # fewer GPUs: the CPU, or with --device cuda the ranks share them
+    backend = args.backend or ("nccl" if per_rank else "gloo")  # NCCL cannot share a GPU between ranks; gloo can
+    if (on_gpu and gpus == 0) or (backend == "nccl" and not per_rank):
+        raise UsageError(f"--device {args.device} --backend {backend}: {gpus} CUDA GPU(s) for {local_world} ranks")
+    device = torch.device("cuda", local_rank % gpus) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)  # before init, so that NCCL binds this rank to its GPU
+    print0(f"device: {device.type}, {backend} (--device {args.device}, {gpus} GPU(s) for {local_world} ranks/node)")
+    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # plain `python`
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s), **alone)
     return device
 
 
 def run(main, parse_args):
-    """Bad input: one line on rank 0, exit 2. A peer that died or timed out: one line per survivor, exit 1.
-    Ctrl-C or SIGTERM: one line on rank 0, and the process ends by that signal, as a shell expects (130, 143)."""
-    # SIGTERM (a scheduler's, or torchrun passing on the Ctrl-C it got) stops a run the way Ctrl-C does.
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
-    code = 0
-    try:  # the outer try: a signal may land anywhere, even while the inner one reports a lost peer
-        try:
-            main(parse_args())
-        except UsageError as e:
-            if os.environ.get("RANK", "0") == "0":  # every rank stops alike; one says why
-                print(f"error: {e}", file=sys.stderr, flush=True)
-            code = 2
-        except RuntimeError as e:  # NCCL raises DistError; gloo, RuntimeErrors from torch.distributed or its transport
-            where, text = traceback.extract_tb(e.__traceback__)[-1].filename, str(e)
-            if signalled(e) or not (isinstance(e, dist.DistError) or f"torch{os.sep}distributed" in where
-                                    or "gloo/" in text):
-                raise  # a bug in this rank's own code keeps its traceback; a signal goes to the outer try
-            what = "timed out waiting for a peer" if "timed out" in text.lower() else "lost a peer"
-            log(f"error: {what} ({text.strip().splitlines()[0][:160]})")
-            os._exit(1)  # no teardown: it would wait for the dead peer
-        if dist.is_initialized():
-            dist.destroy_process_group()
-            # gloo's threads may still hold the last reference to a finished collective; freeing it takes the GIL,
-            # which no thread gets once the interpreter is finalising ("terminate called without an active
-            # exception", SIGABRT). A moment here lets them finish first.
-            time.sleep(0.05)
-    except BaseException as e:
-        stop = signalled(e)
-        if stop is None:
-            raise
-        if os.environ.get("RANK", "0") == "0":  # every rank got the signal (torchrun passes it on); one says where
-            where = f" {stop.where}" if stop.where else ""
-            print(f"interrupted by {stop}{where}", file=sys.stderr, flush=True)
-        end_by_signal(stop.signum)  # no teardown: the peers are stopping too
-    sys.exit(code)
-
-
-def signalled(e):
-    """The Interrupted behind exception `e`, or None. A signal that lands inside a library can come back as that
-    library's own error, raised while handling it (torch.save's "unexpected pos" when its write was cut short)."""
-    while e is not None and not isinstance(e, Interrupted):
-        e = e.__context__
-    return e
-
-
-def interrupt(signum, frame):
-    # Only the first signal: a second Ctrl-C must not cut the way out (cleanup, the one line) short with a traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Interrupted(signum)
-
-
-def end_by_signal(signum):
-    """End this process as the signal would have: its parent (a shell, torchrun) sees an interrupt, not a failure."""
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    try:
+        main(parse_args())
+    except UsageError as e:  # every rank stops alike, exit 2; rank 0 says why
+        print0(f"error: {e}")
+        sys.exit(2)
+    except RuntimeError as e:  # a peer died, or a collective outlived --timeout-s: one line per rank, exit 1
+        if not (isinstance(e, dist.DistError) or "gloo" in str(e)):
+            raise  # a bug in the script keeps its traceback
+        log(f"error: a peer died or timed out: {str(e).strip().splitlines()[0][:200]}")
+        os._exit(1)  # no teardown: it would wait for the dead peer
+    dist.destroy_process_group()  # main() always joins the group first (setup)
+    time.sleep(0.05)  # gloo's threads drop their last tensors before the interpreter ends (else SIGABRT)
 
 
 if __name__ == "__main__":
