@@ -392,7 +392,7 @@ def train(kind, base, args, device):
         inner = optimizer.optim
         # x (N-1)/N of the buckets' bytes: stage 1 all-reduces (2) and all-gathers (1); stage 2 halves the first.
         sent = (3 if kind == 1 else 2) * sum(b.flat.numel() * b.flat.element_size() for b in optimizer.buckets)
-    loss_of(wrapped, tokens(-1, args, device)).backward()  # warm-up, no step: DDP settles its buckets (README)
+    loss_of(wrapped, tokens(-1, args, device)).backward()  # warm-up, no step: DDP settles its buckets (docs/zero.md)
     optimizer.zero_grad()
     losses, t0 = [], time.perf_counter()
     for step in range(args.steps):
@@ -410,7 +410,7 @@ def train(kind, base, args, device):
 
 def check(runs, kinds, device, atol):
     """Weights bit-identical across ranks and equal to DDP + AdamW's: bit for bit where the gradient sums are (gloo,
-    or 2 ranks; README), else to ``atol``. One verdict for all ranks, so that all of them raise or none does."""
+    or 2 ranks; docs/zero.md), else to ``atol``. One verdict for all ranks, so that all of them raise or none does."""
     exact = dist.get_backend() == "gloo" or WORLD <= 2
     ref = torch.cat([p.detach().reshape(-1) for p in runs[0]["model"].parameters()])
     for kind in kinds[1:]:
@@ -449,8 +449,8 @@ def main(args):
         runs[kind] = dict(result, peak=peak)
         first, last = result["losses"][0], result["losses"][-1]
         print0(f"{NAMES[kind]:<6} | rank 0 loss {first:.4f} -> {last:.4f} | {result['ms']:7.1f} ms/step")
-    # Where sums differ in the last bit, AdamW moves an element by a small part of lr a step (README: 2.3e-6 in 5
-    # steps at lr 1e-3 on gloo with mismatched layouts): allow 1% of lr a step.
+    # Where sums differ in the last bit (NCCL's reduce-scatter on 3+ ranks), AdamW moves an element by a small part
+    # of lr a step (2.3e-6 in 5 steps at lr 1e-3, once measured on gloo with mismatched layouts): allow 1% of lr a step.
     atol = 0.01 * args.lr * args.steps
     exact = check(runs, kinds, device, atol)
     # What every rank holds and sends, side by side: rank 0 prints one table for all.
