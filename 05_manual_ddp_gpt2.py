@@ -324,8 +324,7 @@ def load_texts(args):
         files = sorted(f for f in glob.glob(os.path.join(args.dataset, "**", "*"), recursive=True) if os.path.isfile(f))
     else:
         files = sorted(glob.glob(args.dataset))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if local_rank != 0:  # local rank 0 of each node builds the datasets cache first; the others then read it
+    if os.environ.get("LOCAL_RANK", "0") != "0":  # local rank 0 of each node builds the datasets cache first
         dist.barrier()
     try:
         if files:
@@ -333,7 +332,7 @@ def load_texts(args):
         else:
             ds = datasets.load_dataset(args.dataset, args.dataset_config, split=args.split)
     finally:  # even if it failed: the others then fail on their own, with the same error, instead of waiting
-        if local_rank == 0:
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # the others then read it instead of racing
             dist.barrier()
     return [t for t in ds[args.text_column] if t]
 
@@ -447,7 +446,6 @@ def train(args, device, state):
         sched.load_state_dict(state["scheduler"])
         start = state["step"]
         print0(f"resumed from {os.path.join(args.out, f'checkpoint-{start}')} at step {start}")
-    amp = torch.bfloat16 if args.precision == "bf16" else None
     batches = batches_from(data, per_epoch, args, start_micro=start * args.grad_accum)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * WORLD
     profiler = contextlib.nullcontext()
@@ -476,7 +474,7 @@ def train(args, device, state):
                     ddp.require_backward_grad_sync = micro == args.grad_accum - 1
                 # use_cache=False: training reads no KV cache; Hugging Face would build one every forward (and
                 # under --compile, each block would recompile on the state of its own cache layer).
-                with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                     logits = ddp(input_ids=batch[:, :-1], use_cache=False).logits
                 loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
                 (loss / args.grad_accum).backward()
@@ -674,6 +672,8 @@ def parse_args(argv=None):
     g.add_argument("--crash-at-step", type=int, default=-1, help="SIGKILL the last rank at this step, first attempt "
                    "only (under torchrun --max-restarts: the run resumes, bit for bit)")
     args = p.parse_args(argv)
+    if args.seed >= 2**32:  # torch.manual_seed's limit is 2**64, and the seeds of later steps add to it
+        p.error(f"argument --seed: must be < 2**32, got {args.seed}")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
     return args
