@@ -275,9 +275,8 @@ class ZeroDDP(nn.Module):
 
     # Checkpoints: the plain optimizer's state_dict, put together from the shards, and back.
     def state_dict(self):
-        """The plain optimizer's state_dict, gathered to the group's rank 0 (CPU tensors; None on the others).
-        A state tensor shaped like its piece is per element, put together from the shards; anything else is per
-        parameter (AdamW's step) and the same in every shard."""
+        """The plain optimizer's state_dict on the group's rank 0 (CPU tensors; None elsewhere): state shaped like
+        its piece is per element, put together from the shards; the rest (AdamW's step) is the same in every shard."""
         mine = []
         for piece, i, off in self.pieces:
             for k, v in self.optim.state.get(piece, {}).items():
@@ -300,8 +299,7 @@ class ZeroDDP(nn.Module):
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 
     def load_state_dict(self, state_dict):
-        """Load a plain optimizer's state_dict (from state_dict(), or saved without ZeRO): every rank passes all
-        of it and keeps the slices of its own shard."""
+        """Load a plain optimizer's state_dict (ZeRO's or not) on every rank: each keeps the slices of its shard."""
         saved = state_dict["param_groups"]
         if [len(g["params"]) for g in saved] != [len(numbers) for numbers in self.numbers]:
             raise ValueError("ZeroDDP.load_state_dict: the parameter groups differ from this optimizer's")
@@ -485,6 +483,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.n_embd % 64:
         p.error(f"--n-embd must be a multiple of 64 (one attention head per 64), got {args.n_embd}")
+    if args.seed >= 2**32:  # torch.manual_seed's limit is 2**64, and the seeds of later steps add to it
+        p.error(f"argument --seed: must be < 2**32, got {args.seed}")
     return args
 
 
