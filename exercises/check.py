@@ -5,8 +5,8 @@
   python exercises/check.py ring_all_reduce --solution        grades the project's own (03_all_reduce.py)
 
 Names, in the order of the ladder (exercises/README.md): tree_broadcast, ring_all_reduce, sampler, ddp_naive,
-ddp_overlap, ddp_buckets, zero1. The checker starts the ranks itself (processes on this machine, gloo on the
-CPU; no torchrun needed) and grades with the checks the project's own tests run on its own code. A rank that
+ddp_overlap, ddp_buckets, zero1, find_the_bug. The checker starts the ranks itself (processes on this machine,
+gloo on the CPU; no torchrun needed) and grades with the checks the project's own tests run on its own code. A rank that
 waits more than --hang-s seconds in one call ends the run with one line naming where each rank waited.
 Exit status 0 only when every file graded passes.
 """
@@ -23,13 +23,15 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-NAMES = ("tree_broadcast", "ring_all_reduce", "sampler", "ddp_naive", "ddp_overlap", "ddp_buckets", "zero1")
+NAMES = ("tree_broadcast", "ring_all_reduce", "sampler", "ddp_naive", "ddp_overlap", "ddp_buckets", "zero1",
+         "find_the_bug")
 GRACE_S = 3  # once one rank is done or stuck, how long the others get to finish or say where they wait
 
 
 # --- grading one file: start the ranks, watch them, read what each says ---
-def grade(name, path, world, hang_s, speed):
-    """Run `path` as exercise `name` on `world` ranks; return the verdict (a dict, see verdict())."""
+def grade(name, path, world, hang_s, speed, shown=None):
+    """Run `path` as exercise `name` on `world` ranks; return the verdict (a dict, see verdict()); `shown` is the
+    path as the user gave it."""
     # fork: torch is imported once, here, and each rank starts at once; elsewhere (macOS), fresh interpreters.
     ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     with tempfile.TemporaryDirectory(prefix="check-") as tmp:
@@ -49,7 +51,7 @@ def grade(name, path, world, hang_s, speed):
         records = [read_json(os.path.join(tmp, f"rank{r}.json")) for r in range(world)]
         hangs = [read_json(os.path.join(tmp, f"rank{r}.hang.json")) for r in range(world)]
         outputs = [read_text(os.path.join(tmp, f"rank{r}.out")) for r in range(world)]
-    return verdict(name, path, records, hangs, outputs, [p.exitcode for p in procs], hang_s)
+    return verdict(name, path, records, hangs, outputs, [p.exitcode for p in procs], hang_s, shown)
 
 
 def watch(procs, tmp, hang_s):
@@ -96,15 +98,17 @@ def rank_main(name, path, rank, world, port, hang_s, speed, tmp):
 
 
 # --- what the ranks said, in words ---
-def verdict(name, path, records, hangs, outputs, exitcodes, hang_s):
+def verdict(name, path, records, hangs, outputs, exitcodes, hang_s, shown=None):
     """{"file", "status": ok|fail|not_implemented|error|hang|crash, "text": what check.py prints}."""
-    shown = os.path.relpath(path)
+    shown = shown or os.path.relpath(path)
     found = [r for r in records if r]
     stub = next((r for r in found if r["status"] == "not_implemented"), None)
     errors = sorted((r["time"], k, r) for k, r in enumerate(records) if r and r["status"] == "error")
-    # A rank that lost its peer fails too ("Connection closed by peer"): the peer's own error, or its hang, is the
-    # story.
-    first = [e for e in errors if "Connection closed" not in e[2]["message"]] or (errors if not any(hangs) else [])
+    # A rank that lost its peer fails too ("Connection reset by peer"): the peer's own error, or its hang, is the
+    # story. A peer that gloo aborted (a size mismatch) left no record, only its last words in its output.
+    first = [e for e in errors if not lost_peer(e[2]["message"])]
+    aborted = next(((k, line) for k, (r, text) in enumerate(zip(records, outputs)) if not r
+                    for line in text.splitlines() if any(cause in line for cause, _ in ABORTS)), None)
     fails = [r for r in found if r["status"] == "fail"]
     if stub:
         where, default = stub["where"], os.path.join(HERE, f"{name}.py")
@@ -113,12 +117,18 @@ def verdict(name, path, records, hangs, outputs, exitcodes, hang_s):
             f"NOT IMPLEMENTED {shown}: {stub['name'] or where['function']} still raises NotImplementedError "
             f"(line {where['line']}, in {where['function']}). Open {shown}, read its docstring and hints, write it, "
             f"then run `{command}` again.")
-    elif first:
-        _, k, r = first[0]
+    elif aborted and not first:
+        k, line = aborted
+        label = next((e[2].get("label") for e in errors if e[2].get("label")), None)
+        status, text = "error", (f"ERROR {shown}: rank {k} was aborted by gloo"
+                                 + (f" during {label}" if label else "") + f": {line.strip()}"
+                                 + f"\n  hint: {next(h for cause, h in ABORTS if cause in line)}")
+    elif first or (errors and not any(hangs)):
+        _, k, r = (first or errors)[0]
         status, text = "error", f"ERROR {shown}: rank {k} raised {r['message']}{located(r)}" + (
             f" (during {r['label']})" if r.get("label") else "") + error_hint(r["message"])
     elif any(hangs):
-        status, text = "hang", hang_line(shown, records, hangs, hang_s)
+        status, text = "hang", hang_line(shown, records, hangs, hang_s, name)
     elif fails:
         status, text = "fail", f"FAIL {shown}: {fails[0]['message']}"
     elif len(found) == len(records) and all(r["status"] == "pass" for r in found):
@@ -147,18 +157,33 @@ ERROR_HINTS = [  # (text in the error, the usual cause)
 ]
 
 
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+ABORTS = [  # (what gloo prints as it aborts a process, the usual cause)
+    ("Received data size doesn't match expected size", "the ranks' messages differ in size: the receiving rank "
+     "expected fewer bytes than its peer sent (a receive buffer the size of another chunk, or ranks that issued "
+     "their collectives in different orders, so that different tensors met)"),
+]
+
+
+def lost_peer(message):
+    """An error that only says a peer went away: that peer's own error is the cause."""
+    return any(text in message for text in LOST_PEER)
+
+
 def error_hint(message):
     hint = next((h for text, h in ERROR_HINTS if text in message), None)
     return f"\n  hint: {hint}" if hint else ""
 
 
-def hang_line(shown, records, hangs, hang_s):
-    """One line: where each rank waited; then a hint for the usual cause."""
+def hang_line(shown, records, hangs, hang_s, name=None):
+    """One line: where each rank waited, and for what (the peer of a send or receive); whether the pairs match;
+    then a hint for the usual cause."""
     label = next((h["label"] for h in hangs if h and h.get("label")), None)
     places = []
     for k, (h, r) in enumerate(zip(hangs, records)):
         if h and h.get("where"):
-            places.append(f"rank {k} waits at {place(h['where'])}")
+            call = f", {h['call']['text']}" if h.get("call") else ""
+            places.append(f"rank {k} waits at {place(h['where'])}{call}")
         elif h and h.get("checker"):
             places.append(f"rank {k} returned from your code and waits for the others in the checker")
         elif r:
@@ -167,16 +192,33 @@ def hang_line(shown, records, hangs, hang_s):
             places.append(f"rank {k} said nothing (killed)")
     line = (f"HANG {shown}: no progress for {hang_s:g} s" + (f" in {label}" if label else "") + ": "
             + "; ".join(places))
+    calls = {k: h["call"] for k, h in enumerate(hangs) if h and h.get("where") and h.get("call")}
+    unmatched = mismatched_pairs(calls, hangs)
+    differ = differing_collectives(hangs)
+    if unmatched:
+        line += ". The pairs do not match: " + "; ".join(unmatched)
+    elif differ:
+        line += ". " + differ
     codes = [h["where"]["code"] for h in hangs if h and h.get("where")]
     if len(hangs) == 1:  # one process: no peer to wait for
         where = hangs[0].get("where") if hangs[0] else None
         line = (f"HANG {shown}: no progress for {hang_s:g} s" + (f" in {label}" if label else "")
                 + (f": still running at {place(where)}" if where else ""))
         hint = "a loop that never ends? check its exit condition"
+    elif name == "tree_broadcast" and unmatched:
+        hint = ("in round k (step = 2**k), vrank v < step sends to v + step and vrank step <= v < 2 * step receives "
+                "from v - step: each sender's partner must be receiving from it in the same round. Compute both "
+                "partners the same way, turning a vrank back into a rank with (vrank + src) % N on both sides")
+    elif unmatched:
+        hint = ("every send needs a receive posted by its peer for it, from it, with the same size: check how each "
+                "rank computes its partner")
+    elif differ:
+        hint = ("every rank must issue the same collectives in the same order (the same buckets, in bucket order, "
+                "whatever order its gradients arrive in)")
     elif any("send(" in c and "isend(" not in c for c in codes):
-        hint = ("dist.send blocks until the receiving rank has posted its receive; in a ring every rank sends "
-                "first, so nobody receives: post the receive with dist.irecv (or send with dist.isend) and then wait "
-                "for both")
+        hint = ("dist.send blocks until the receiving rank has posted its receive; when every rank sends first (as "
+                "in a ring), nobody receives: post the receive with dist.irecv (or send with dist.isend) and then "
+                "wait for both")
     elif any(h and not h.get("where") and h.get("checker") for h in hangs):
         hint = ("some ranks left your function while others still wait for a message: the ranks sent and received "
                 "different numbers of messages (every send needs a receive on its peer, with the same size)")
@@ -184,6 +226,45 @@ def hang_line(shown, records, hangs, hang_s):
         hint = ("the ranks wait for messages that never come: every send needs a receive on its peer, and every "
                 "rank must call the same collectives in the same order")
     return f"{line}\n  hint: {hint} (only slow, not stuck? --hang-s gives each call more time)"
+
+
+def mismatched_pairs(calls, hangs):
+    """For each rank waiting in a send or receive whose peer is not waiting in the matching receive or send:
+    'rank 1 sends to rank 2, but rank 2 receives from rank 0'."""
+    out = []
+    if all(c["kind"] == "send" for c in calls.values()):
+        return out  # every rank sends first (a ring of blocking sends): nobody receives; the send hint says so
+    for k, c in sorted(calls.items()):
+        peer = c.get("peer")
+        if c["kind"] not in ("send", "recv") or peer is None:
+            continue
+        other = calls.get(peer)
+        verb = "sends to" if c["kind"] == "send" else "receives from"
+        want = "recv" if c["kind"] == "send" else "send"
+        if other and other["kind"] == want and other.get("peer") in (k, None):
+            continue  # a matching pair (blocked for another reason: both sending, sizes)
+        if other and other["kind"] in ("send", "recv"):
+            theirs = ("sends to" if other["kind"] == "send" else "receives from") + (
+                " any rank" if other.get("peer") is None else f" rank {other['peer']}")
+        elif other:
+            theirs = f"is in dist.{other['op']}"
+        elif peer < len(hangs) and hangs[peer] and hangs[peer].get("checker") and not hangs[peer].get("where"):
+            theirs = "has returned from your function"
+        else:
+            theirs = "is not in a send or receive"
+        out.append(f"rank {k} {verb} rank {peer}, but rank {peer} {theirs}")
+    return out
+
+
+def differing_collectives(hangs):
+    """When the ranks issued different collectives before they stuck (another order, one fewer), say so."""
+    issued = {k: [tuple(c) for c in h.get("collectives") or []] for k, h in enumerate(hangs) if h}
+    if len(issued) < 2 or len({tuple(v) for v in issued.values()}) == 1 or not any(issued.values()):
+        return ""
+    words = "; ".join(f"rank {k}: " + (", ".join(f"{op} of {n}" for op, n in v) or "none")
+                      for k, v in sorted(issued.items()))
+    return ("The ranks issued different collectives (" + words + " elements, in order): a collective pairs the "
+            "k-th call of every rank, so these never meet")
 
 
 def place(w):
@@ -203,6 +284,12 @@ def report(v, tail=30):
 
 
 # --- plumbing: files, ports, arguments ---
+def shorter(path):
+    """The path relative to the current directory, unless that climbs out of it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -260,8 +347,9 @@ def main(argv=None):
     verdicts = []
     for path in files:
         where = f"on {world} ranks, gloo on the CPU" if world > 1 else "in one process"
-        print(f"checking {os.path.relpath(path)} ({args.name}) {where}", flush=True)
-        v = grade(args.name, os.path.abspath(path), world, args.hang_s, not args.no_speed)
+        shown = path if args.file else shorter(path)  # a file given with --file prints as the user gave it
+        print(f"checking {shown} ({args.name}) {where}", flush=True)
+        v = grade(args.name, os.path.abspath(path), world, args.hang_s, not args.no_speed, shown)
         report(v)
         verdicts.append(v)
     if args.json:

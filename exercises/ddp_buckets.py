@@ -30,7 +30,11 @@ class DDPCore(nn.Module):
       - inside ``with model.no_sync():`` backward sends nothing; gradients accumulate locally and the next
         backward outside it averages the sum.
     The checker passes bucket_cap_mb = 512 bytes, which gives its small model three buckets, one per layer
-    (PyTorch's DDP sends one bucket in the very first step, then its real layout: both are accepted there).
+    (PyTorch's DDP sends one bucket in the very first step, then its real layout: both are accepted there). It
+    then grades a second model whose gradients arrive in another order than the buckets (a layer registered last
+    but used first, a layer used twice, a frozen one between): there a bucket launched the moment it is full goes
+    out of turn. From the second step on, buckets rebuilt in the order the first backward produced the gradients
+    (as PyTorch's DDP rebuilds them) are accepted too, launched in their own order.
 
     Hints:
       - a flat buffer per bucket, and each parameter's .grad a view into it, saves copying gradients in and out;

@@ -296,7 +296,7 @@ def _sampler_problem(got, want, first, r, n, kw, epoch, length):
             return _problem(f"len() says {length}, but iterating gives {len(ref)} indices",
                             "__len__ must return num_samples, the number of indices this rank yields")
         return None
-    said = f"got {_brief(mine)}, torch's {_brief(ref)}"
+    said = f"this rank's indices are {_brief(mine)}, torch's {_brief(ref)}"
     if len(mine) != len(ref):
         if drop_last:
             return _problem(f"{said}: {len(mine)} indices, torch's {len(ref)}",
@@ -322,7 +322,8 @@ def _sampler_problem(got, want, first, r, n, kw, epoch, length):
         return _problem(f"{said}: across the ranks some samples come twice and others never",
                         "every rank must shuffle with the same permutation (a generator seeded with seed + epoch, "
                         "the same on every rank, not with the rank) and then take its own every-N-th slice")
-    return _problem(f"{said}: the same samples, in another order",
+    return _problem(f"{said}: over all {replicas} ranks together, your samplers yield the same samples as torch's "
+                    "(each exactly as often), but in another order: the permutation differs",
                     "shuffle as torch does: g = torch.Generator(); g.manual_seed(seed + epoch); "
                     "indices = torch.randperm(n, generator=g).tolist()")
 
@@ -343,9 +344,26 @@ BUCKET_CAP_MB = 512 / 2**20  # 512 bytes: one bucket per layer of TinyNet (fc3, 
 LR, MOMENTUM, STEPS = 0.1, 0.9, 4
 
 
-def tiny_net(seed):
+class OrderNet(nn.Module):
+    """Rung 6's second model, whose gradients arrive in another order than DDP's buckets: `early`, registered last
+    (so in bucket 0), is used first in forward, so its gradients come last of all; `block` is used twice, in a skip
+    connection; `frozen` (requires_grad=False) sits between and has no gradient, no hook, no place in a bucket."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.block, self.frozen = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+        self.fc3, self.early = nn.Linear(32, 4), nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(self.early(x)))
+        h = h + torch.tanh(self.block(torch.tanh(self.block(h))))
+        return self.fc3(torch.tanh(self.frozen(h)))
+
+
+def tiny_net(seed, net=TinyNet):
     torch.manual_seed(seed)
-    return TinyNet()
+    return net()
 
 
 def batch(step, rank, micro=0):
@@ -355,10 +373,16 @@ def batch(step, rank, micro=0):
 
 
 def expected_buckets(module, cap_bytes):
-    """DDP's layout: the parameters in reverse registration order (backward produces the last layer's gradients
-    first), a bucket closed once it holds cap_bytes or more. For TinyNet this is also the order backward produces."""
+    """DDP's layout: the parameters that require a gradient in reverse registration order (backward usually
+    produces the last layer's gradients first), a bucket closed once it holds cap_bytes or more. For TinyNet this is
+    also the order backward produces; for OrderNet it is not."""
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return _fill(reversed(params), cap_bytes)
+
+
+def _fill(named, cap_bytes):
     buckets, names, size = [], [], 0
-    for name, p in reversed(list(module.named_parameters())):
+    for name, p in named:
         names.append(name)
         size += p.numel() * p.element_size()
         if size >= cap_bytes:
@@ -371,15 +395,16 @@ class _Run:
     """One rank of the comparison: the participant's model, PyTorch's DDP on the same start and data, and a plain
     copy that computes this rank's own (unreduced) gradients, to tell the usual mistakes apart."""
 
-    def __init__(self, mine, seed, **ddp_kwargs):
+    def __init__(self, mine, seed, net=TinyNet, **ddp_kwargs):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.mine = mine  # the module whose parameters the participant's code updates
         self.names = [n for n, _ in mine.named_parameters()]
-        self.ref = DDP(tiny_net(seed), **ddp_kwargs)  # broadcasts rank 0's weights, as the wrappers must
-        self.local = tiny_net(0)
+        self.ref = DDP(tiny_net(seed, net), **ddp_kwargs)  # broadcasts rank 0's weights, as the wrappers must
+        self.local = tiny_net(0, net)
         self.opt = torch.optim.SGD(mine.parameters(), lr=LR, momentum=MOMENTUM)
         self.ref_opt = torch.optim.SGD(self.ref.parameters(), lr=LR, momentum=MOMENTUM)
         self.exact = self.world == 2  # a/2 + b/2: one rounding, whatever the order; more ranks sum in other orders
+        self.hooks = True  # the rung syncs from gradient hooks (rung 4 syncs after backward)
 
     def reference_backward(self, step, micros=1):
         """DDP's gradients (accumulated over `micros` micro-batches, the first ones under no_sync) and this rank's
@@ -407,14 +432,17 @@ class _Run:
         local = [p.grad for p in self.local.parameters()]
         problem = None
         for name, got, want, own in zip(self.names, grads, ref_grads, local):
-            if got is None:
+            if want is None:  # a frozen parameter: no gradient under DDP either
+                problem = None if got is None else _problem(f"{name} is frozen (requires_grad=False) but its .grad "
+                                                            "was set", "leave frozen parameters alone, as DDP does")
+            elif got is None:
                 problem = _problem(f"{name}.grad is None", "every parameter must hold its averaged gradient")
             elif not self._equal(got, want):
-                problem = _grad_problem(name, got, want, own, self.world)
+                problem = _grad_problem(name, got, want, own, self.world, self.hooks)
             if problem:
                 break
         _agree(problem, label)
-        _agree(_differs_from_rank0([(f"{n}.grad", g) for n, g in zip(self.names, grads)],
+        _agree(_differs_from_rank0([(f"{n}.grad", g) for n, g in zip(self.names, grads) if g is not None],
                                    "the gradients must be the same on every rank after averaging"), label)
 
     def step_and_compare(self, label):
@@ -442,13 +470,15 @@ class _Run:
         return f"{what} equal to PyTorch's DistributedDataParallel's, {how}, on every rank"
 
 
-def _grad_problem(name, got, want, own, world):
+def _grad_problem(name, got, want, own, world, hooks):
     def close(a, b):
         return torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
     if torch.equal(got, own):
         return _problem(f"{name}.grad is this rank's own gradient, not the mean over ranks: it was not all-reduced",
-                        "every parameter's gradient must be all-reduced (biases too; a hook on each of them)")
+                        "every parameter's gradient must be all-reduced, biases too: "
+                        + ("a hook on every parameter that requires a gradient, and a bucket for each" if hooks else
+                           "loop over all of model.parameters() (those with requires_grad), not only the weights"))
     if close(got, want * world):
         return _problem(f"{name}.grad is {world}x DDP's: the gradients were summed, not averaged",
                         f"divide by the world size: multiply by 1/N (N = {world}), as DDP does")
@@ -467,6 +497,7 @@ def check_average_gradients(average_gradients):
     """Rung 4, the naive one: after backward, average_gradients(model, world) leaves DDP's gradients in .grad."""
     rank, world = dist.get_rank(), dist.get_world_size()
     run = _Run(tiny_net(0), seed=0)  # one seed everywhere: this rung has no wrapper to broadcast
+    run.hooks = False
     for step in range(STEPS):
         label = f"step {step + 1} of {STEPS}"
         x, y = batch(step, rank)
@@ -514,7 +545,7 @@ def check_overlap(wrapper_class):
             f"{n} asynchronous all-reduces a step, one per parameter, launched inside backward and waited for"]
 
 
-def _overlap_problem(launches, n, per_parameter):
+def _overlap_problem(launches, n, per_parameter, overlap=True):
     if not launches:
         return _problem("no dist.all_reduce was called during the step",
                         "launch the gradients' all-reduces from hooks (p.register_post_accumulate_grad_hook)")
@@ -535,7 +566,7 @@ def _overlap_problem(launches, n, per_parameter):
     late = [c for c in launches if c.phase != "backward"]
     if late:
         return _problem(f"{len(late)} of {len(launches)} all-reduces were launched after backward")
-    if min(c.ready for c in inside) >= n:
+    if overlap and min(c.ready for c in inside) >= n:
         return _problem(f"the first all-reduce was launched only once all {n} gradients were ready: nothing "
                         "overlapped backward",
                         "launch from the gradient hooks as soon as what you send is complete, not at the end")
@@ -550,22 +581,31 @@ def _overlap_problem(launches, n, per_parameter):
 
 def check_buckets(wrapper_class):
     """Rung 6, 05's core: buckets in DDP's layout, each launched from the hooks as soon as it is complete, in bucket
-    order, multiplied by 1/N before the sum; no communication inside no_sync()."""
+    order, multiplied by 1/N before the sum; no communication inside no_sync(). Graded on TinyNet (gradients arrive
+    in bucket order), then on OrderNet (they do not: a bucket launched as soon as it is full goes out of order)."""
+    info = _grade_buckets(wrapper_class, TinyNet, STEPS, accumulate=2)
+    _grade_buckets(wrapper_class, OrderNet, 2, accumulate=None)
+    return [info[0], info[1] + "; the same on a model whose gradients arrive in another order than its buckets (a "
+            "parameter used first in forward, a layer used twice in a skip connection, a frozen layer between)"]
+
+
+def _grade_buckets(wrapper_class, net, steps, accumulate):
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = tiny_net(rank)
+    base = tiny_net(rank, net)
     ready = _count_ready(base)
-    with recording(), watching("the constructor"):
+    model_label = "" if net is TinyNet else f", {net.__name__} (gradients arrive in another order than the buckets)"
+    with recording(), watching("the constructor" + model_label):
         model = wrapper_class(base, bucket_cap_mb=BUCKET_CAP_MB)
-    run = _Run(base, seed=rank, bucket_cap_mb=BUCKET_CAP_MB)
-    run.compare_start("after construction")
+    run = _Run(base, seed=rank, net=net, bucket_cap_mb=BUCKET_CAP_MB)
+    run.compare_start("after construction" + model_label)
     params = dict(base.named_parameters())
     layout = expected_buckets(base, int(BUCKET_CAP_MB * 2**20))
     sizes = [sum(params[name].numel() for name in b) for b in layout]
     finish = getattr(model, "finish_gradient_synchronization", None)  # optional: DDP waits at the end of backward
-    accumulate = 2  # the step that accumulates two micro-batches, the first under no_sync()
-    for step in range(STEPS):
-        label = f"step {step + 1} of {STEPS}" + (" (two micro-batches, the first under no_sync())"
-                                                 if step == accumulate else "")
+    rebuilt = None  # DDP's layout from the second step on: the order the first backward produced the gradients
+    for step in range(steps):
+        label = f"step {step + 1} of {steps}" + (" (two micro-batches, the first under no_sync())"
+                                                  if step == accumulate else "") + model_label
         run.opt.zero_grad()
         micros = 2 if step == accumulate else 1
         problem = None
@@ -589,20 +629,49 @@ def check_buckets(wrapper_class):
                                    "inside no_sync() gradients accumulate locally, with no communication at all; "
                                    "the next backward outside it averages the sum")
             elif synced:
-                problem = _bucket_problem(launches, sizes, layout, first=step == 0)
+                arrived = _completion_order(layout, ready)
+                if rebuilt is None:
+                    rebuilt = _fill([(n, params[n]) for n in ready[1]], int(BUCKET_CAP_MB * 2**20))
+                got = [c.numel for c in launches]
+                if step > 0 and got != sizes and got == [sum(params[n].numel() for n in b) for b in rebuilt]:
+                    used = rebuilt  # rebuilt as DDP does: in bucket order too, only another layout
+                    problem = _overlap_problem(launches, sum(map(len, rebuilt)), per_parameter=False,
+                                              overlap=net is TinyNet)
+                else:
+                    used = layout
+                    problem = _bucket_problem(launches, sizes, layout, arrived, first=step == 0,
+                                              overlap=net is TinyNet)
         run.reference_backward(step, micros)
         if problem is None and step not in (0, accumulate):
-            problem = _undivided(launches, layout, run)
+            problem = _undivided(launches, used, run)
         _agree(problem, label)
+        # Launch orders that differ between ranks pair different buckets in one all-reduce: say so before the
+        # gradients' comparison would only report a wrong number.
+        _agree(_orders_differ([c.numel for c in launches], sizes), label)
         run.compare_grads(label)
         run.step_and_compare(label)
-    return [run.info(f"start, gradients and weights over {STEPS} SGD steps (one with no_sync) on {world} ranks:"),
+    return [run.info(f"start, gradients and weights over {steps} SGD steps (one with no_sync) on {world} ranks:"),
             f"{len(sizes)} buckets of {sizes} elements (bucket_cap_mb={BUCKET_CAP_MB * 2**20:g} bytes), launched "
             "asynchronously inside backward in bucket order, each multiplied by 1/N before the sum; nothing sent "
             "inside no_sync()"]
 
 
-def _bucket_problem(launches, sizes, layout, first):
+def _completion_order(layout, ready):
+    """The buckets in the order their last gradient arrived in this backward (from _count_ready's record)."""
+    arrival = {name: k for k, name in enumerate(ready[1])}
+    done = [max((arrival.get(n, math.inf) for n in names), default=math.inf) for names in layout]
+    return sorted(range(len(layout)), key=lambda k: done[k])
+
+
+PAIRED_BY_ORDER = (
+    "collectives are paired by the order each rank issues them, not by what they carry, so ranks whose gradients "
+    "arrive in different orders (a branch taken on one rank's data, a layer used twice, another CUDA stream) would "
+    "sum one rank's bucket {a} with another's bucket {b}: silently wrong gradients when the sizes match, gloo's "
+    "'Received data size doesn't match expected size' (and 'Connection reset by peer' on the other rank) when they "
+    "do not, and a hang when a rank issues an all-reduce the other never does")
+
+
+def _bucket_problem(launches, sizes, layout, arrived, first, overlap=True):
     got = [c.numel for c in launches]
     if first and got == [sum(sizes)]:
         return None  # DDP's own first iteration: one bucket, rebuilt from the order backward produced
@@ -610,14 +679,41 @@ def _bucket_problem(launches, sizes, layout, first):
         described = "; ".join(f"bucket {k}: {', '.join(b)} ({s} elements)" for k, (b, s) in
                               enumerate(zip(layout, sizes)))
         if sorted(got) == sorted(sizes):
-            return _problem(f"buckets launched out of order: the all-reduces carried {got} elements, in this "
-                            f"order; DDP's bucket order is {sizes} ({described})",
-                            "launch strictly in bucket order (bucket 0 holds the last layer's parameters, whose "
-                            "gradients come first): collectives are matched by the order ranks issue them")
+            order = [sizes.index(n) for n in got]
+            if order == arrived:
+                return _problem(
+                    f"buckets launched in the order their gradients arrived, not in bucket order: the all-reduces "
+                    f"carried buckets {order} ({got} elements); DDP's order is {list(range(len(sizes)))} "
+                    f"({described}). On this model the gradients arrive in another order than the buckets, so each "
+                    "bucket launched the moment it was full went out of turn. Every rank's gradients arrived in the "
+                    "same order here, so the sums matched; but "
+                    + PAIRED_BY_ORDER.format(a=order[0], b=0),
+                    "launch strictly in bucket order: when a bucket is complete, launch it only if every bucket "
+                    "before it has been launched, then the complete ones after it (keep the index of the next "
+                    "bucket to launch); a bucket that waits for an early-used parameter holds back the ones after it")
+            return _problem(f"buckets launched out of order: the all-reduces carried buckets {order} ({got} "
+                            f"elements), in this order; DDP's bucket order is {list(range(len(sizes)))} "
+                            f"({described})",
+                            "launch strictly in bucket order (bucket 0 holds the last registered parameters, whose "
+                            "gradients usually come first): " + PAIRED_BY_ORDER.format(a=order[0], b=0))
         return _problem(f"the all-reduces carried {got} elements; DDP's buckets hold {sizes} ({described})",
-                        "walk the parameters in reverse order (gradients arrive back to front) and close a bucket "
-                        "once it holds bucket_cap_mb MiB or more; one all-reduce per bucket")
-    return _overlap_problem(launches, sum(len(b) for b in layout), per_parameter=False)
+                        "walk the parameters that require a gradient in reverse order (gradients usually arrive back "
+                        "to front) and close a bucket once it holds bucket_cap_mb MiB or more; one all-reduce per "
+                        "bucket")
+    return _overlap_problem(launches, sum(len(b) for b in layout), per_parameter=False, overlap=overlap)
+
+
+def _orders_differ(got, sizes):
+    """A problem when the ranks launched their buckets in different orders (or different ones)."""
+    orders = _gather_objects(got)
+    if all(o == orders[0] for o in orders):
+        return None
+    words = "; ".join(f"rank {k}: {o}" for k, o in enumerate(orders))
+    k = next(i for i in range(max(map(len, orders))) if len({tuple(o[i:i + 1]) for o in orders}) > 1)
+    return _problem(f"the ranks launched different all-reduces ({words} elements, in launch order): all-reduce "
+                    f"number {k + 1} of one rank was paired with a different bucket on another",
+                    "every rank must launch the same buckets in the same order, the bucket order, whatever order its "
+                    "gradients arrive in")
 
 
 def _undivided(launches, layout, run):
@@ -849,18 +945,32 @@ class Call:
     phase: str
     ready: int  # gradients ready when it was launched (see _count_ready)
     abs_sum: float  # all_reduce: sum of |x| at launch (was the bucket multiplied by 1/N before?)
+    peer: int = None  # send/recv: the rank it sends to or receives from (None: a recv from any source)
     work: object = None
+
+    def describe(self):
+        """What this rank is doing, in words: 'sending 5 elements to rank 2'."""
+        if KINDS[self.op] == "send":
+            return f"sending {self.numel} elements to rank {self.peer}"
+        if KINDS[self.op] == "recv":
+            return f"receiving {self.numel} elements from " + ("any rank" if self.peer is None else f"rank {self.peer}")
+        return f"in dist.{self.op} of {self.numel} elements"
 
 
 class _Tracked:
-    """A Work returned to the participant, noting whether anyone waited for it."""
+    """A Work returned to the participant, noting whether anyone waited for it (and, for a hang report, which
+    call the rank is waiting for)."""
 
-    def __init__(self, work):
-        self._work, self.waited = work, False
+    def __init__(self, work, call, recorder):
+        self._work, self.waited, self._call, self._recorder = work, False, call, recorder
 
     def wait(self, *args, **kwargs):
         self.waited = True
-        return self._work.wait(*args, **kwargs)
+        self._recorder.waiting = self._call
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._recorder.waiting = None
 
     def get_future(self):
         self.waited = True  # whoever takes the future waits through it
@@ -873,6 +983,7 @@ class _Tracked:
 class _Recorder:
     def __init__(self, ready=None):
         self.calls, self.phase, self.ready, self.inside = [], "forward", ready, False
+        self.waiting = None  # the call whose blocking function, or whose Work's wait(), the rank is in
 
     def count(self, kind):
         return sum(1 for c in self.calls if KINDS[c.op] == kind)
@@ -887,16 +998,17 @@ class _Recorder:
         return [c for c in self.calls if c.op == op]
 
 
-_recorder = None
+_recorder = _last = None  # the recording now, the latest one (a hang report's: what this rank issued)
 
 
 @contextlib.contextmanager
 def recording(ready=None):
     """Record the calls into torch.distributed made inside; `ready`, from _count_ready, counts gradients."""
-    global _recorder
-    _recorder = _Recorder(ready)
+    global _recorder, _last
+    _recorder = _last = _Recorder(ready)
     if ready is not None:
         ready[0] = 0
+        ready[1].clear()
     try:
         yield _recorder
     finally:
@@ -905,13 +1017,16 @@ def recording(ready=None):
 
 def _count_ready(module):
     """Hooks, registered before the participant's, counting the gradients autograd has produced so far."""
-    ready = [0]
+    ready = [0, []]  # how many so far, their names in arrival order
+    names = {p: n for n, p in module.named_parameters()}
 
     def hook(p):
         ready[0] += 1
+        ready[1].append(names[p])
 
     for p in module.parameters():
-        p.register_post_accumulate_grad_hook(hook)
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(hook)
     return ready
 
 
@@ -929,18 +1044,29 @@ def _counted(op, fn):
         call = Call(op, t.numel(), t.numel() * t.element_size(),
                     async_op=bool(kwargs.get("async_op", op in ("isend", "irecv"))), phase=rec.phase,
                     ready=rec.ready[0] if rec.ready else 0,
-                    abs_sum=t.detach().double().abs().sum().item() if op == "all_reduce" else 0.0)
+                    abs_sum=t.detach().double().abs().sum().item() if op == "all_reduce" else 0.0,
+                    peer=_peer(op, args, kwargs))
         rec.calls.append(call)
-        rec.inside = True
+        rec.inside, rec.waiting = True, call
         try:
             work = fn(*args, **kwargs)
         finally:
-            rec.inside = False
-        if op == "all_reduce" and work is not None:
-            work = call.work = _Tracked(work)
+            rec.inside, rec.waiting = False, None
+        if (op == "all_reduce" or KINDS[op] in ("send", "recv")) and work is not None:
+            work = call.work = _Tracked(work, call, rec)
         return work
     wrapper.counted = True
     return wrapper
+
+
+def _peer(op, args, kwargs):
+    """The rank a send goes to or a recv comes from (batch_isend_irecv passes group_dst / group_src: on the
+    default group, the same numbers)."""
+    if KINDS[op] not in ("send", "recv"):
+        return None
+    key = "dst" if KINDS[op] == "send" else "src"
+    peer = args[1] if len(args) > 1 else kwargs.get(key, kwargs.get(f"group_{key}"))
+    return peer if isinstance(peer, int) else None
 
 
 def install_counters():
@@ -994,9 +1120,16 @@ class Watchdog:
         stack = traceback.extract_stack(frame) if frame is not None else []
         mine = _frame_in(stack, self.participant)
         ours = [f for f in stack if f.filename == __file__]
+        rec = _recorder or _last
+        call = rec.waiting if rec else None
         record = {"status": "hang", "label": self.label if since is not None else None,
                   "waited_s": None if since is None else round(time.monotonic() - since, 1),
-                  "where": _describe(mine), "checker": _describe(ours[-1]) if ours else None}
+                  "where": _describe(mine), "checker": _describe(ours[-1]) if ours else None,
+                  "call": call and {"op": call.op, "kind": KINDS[call.op], "peer": call.peer,
+                                    "numel": call.numel, "text": call.describe()},
+                  # the collectives this rank issued so far in the watched call: ranks that issued different ones
+                  # (another order, one fewer) wait for each other forever
+                  "collectives": [[c.op, c.numel] for c in rec.calls if KINDS[c.op] == "collective"] if rec else []}
         tmp = self.out + ".tmp"
         with open(tmp, "w") as f:
             json.dump(record, f)
@@ -1045,3 +1178,60 @@ def _first_difference(a, b, close_enough=False, tol=0.0):
 
 def _brief(indices, shown=12):
     return str(indices) if len(indices) <= shown else str(indices[:shown])[:-1] + f", ... ({len(indices)} in all)]"
+
+
+# --- rung 8: find the bug (09_debugging.py) ---
+def check_find_the_bug(train):
+    """Rung 8: after train(model, batches) every rank holds the same model, bit for bit (09's check_replicas), and
+    its parameters are those of SGD on the rank-averaged gradient, clipped on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("debugging", os.path.join(repo, "09_debugging.py"))
+    debugging = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(debugging)
+    torch.manual_seed(0)  # the same model on every rank, as the exercise's own run builds it
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    want = _bug_reference(model, world, lr=0.1, max_norm=0.5)
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(8, 6, generator=g) * 3, torch.randn(8, 1, generator=g)) for _ in range(6)]
+    with watching("train(model, batches)"):
+        train(model, batches)
+    try:
+        debugging.check_replicas(model)
+        problem = None
+    except RuntimeError as e:
+        problem = _problem(f"after train(), {e}",
+                           "look for a step only some ranks take (code under `if rank == 0`) and for state no "
+                           "gradient average touches (BatchNorm's running statistics are buffers: average them "
+                           "over the ranks, or broadcast rank 0's)")
+    _agree(problem, "the replicas")
+    for name, p in model.named_parameters():
+        if problem is None and not torch.allclose(p, want[name], rtol=1e-4, atol=1e-6):
+            problem = _problem(f"{name} is not what SGD on the averaged, clipped gradient gives (identical on every "
+                               "rank, but wrong)", "average every gradient, clip the average on every rank, step")
+    _agree(problem, "the parameters")
+    return [f"6 steps on {world} ranks: every parameter and buffer identical on every rank (check_replicas), the "
+            "parameters those of SGD on the averaged, clipped gradient"]
+
+
+def _bug_reference(model, world, lr, max_norm):
+    """The parameters train() must reach: every rank's batches in one process, their mean gradient clipped."""
+    import copy
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    gens = [torch.Generator().manual_seed(r) for r in range(world)]
+    data = [[(torch.randn(8, 6, generator=g) * 3, torch.randn(8, 1, generator=g)) for _ in range(6)] for g in gens]
+    for step in range(6):
+        grads = []
+        for r in range(world):
+            opt.zero_grad()
+            F.mse_loss(model(data[r][step][0]), data[r][step][1]).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, *gs in zip(model.parameters(), *grads):
+            p.grad = sum(gs) / world
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+    return dict(model.named_parameters())
+
+
+EXERCISES["find_the_bug"] = Exercise(("train",), 2, check_find_the_bug, "tests/exercise_solutions/find_the_bug.py")

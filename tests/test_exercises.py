@@ -24,7 +24,24 @@ PROJECT = {  # the project's own implementation of each rung
     "zero1": "07_zero.py",
 }
 
-# rung -> {mistake: ([(text in the solution, replaced by)], what the verdict must say)}
+# Correct solutions in other styles than the hints' (a participant's): each must pass its rung.
+VARIANTS = {
+    "ring_all_reduce": ["ring_all_reduce_batched.py"],  # dist.batch_isend_irecv
+    "ddp_naive": ["ddp_naive_avg.py"],  # ReduceOp.AVG
+    "ddp_overlap": ["ddp_overlap_futures.py"],  # futures, waited for in a queued callback
+    "ddp_buckets": ["ddp_buckets_views.py"],  # .grad views into the buckets, re-pointed after zero_grad
+    "zero1": ["zero1_whole.py"],  # whole parameters per rank, not flat shards
+}
+ARRIVAL_ORDER = [  # each bucket launched the moment it is full: in gradient-arrival order, not bucket order
+    ("        while self.next < len(self.buckets) and self.buckets[self.next][2] == 0:  # strictly in bucket order\n"
+     "            ps, flat, _ = self.buckets[self.next]",
+     "        if self.buckets[self.where[p]][2] == 0:  # launched the moment it is full\n"
+     "            ps, flat, _ = self.buckets[self.where[p]]"),
+    ("        for work, (ps, flat, _) in zip(self.works, self.buckets):\n            work.wait()\n",
+     "        for work in self.works:\n            work.wait()\n        for ps, flat, _ in self.buckets:\n")]
+HANG_S = {"tree_broadcast": "5"}  # the rungs with a planted hang: each call may wait this long
+
+# rung -> {mistake: ([(text in the solution, replaced by)], what the verdict must say[, its status: fail])}
 MISTAKES = {
     "tree_broadcast": {
         "src ignored": ([("vrank = (rank - src) % world", "src, vrank = 0, rank")], "not the source's (src=1)"),
@@ -37,6 +54,11 @@ MISTAKES = {
                                  "    for k in []:")],
                                "a binomial tree needs only ceil(log2 4) = 2 rounds"),
         "not in place": ([("    vrank = ", "    tensor = tensor.clone()\n    vrank = ")], "in place"),
+        # the receiver's partner computed without src: from src=1 on, rank 1 sends to rank 2 while rank 2 waits
+        # on rank 0; the report names each rank's peer and the pairs that do not match, with the tree's hint
+        "partners that do not match": ([("src=(vrank - step + src) % world", "src=(vrank - step) % world")],
+                                       "The pairs do not match: rank 0 receives from rank 1, but rank 1 sends to "
+                                       "rank 2; rank 1 sends to rank 2, but rank 2 receives from rank 0", "hang"),
     },
     "ring_all_reduce": {
         "all-gather skipped": ([("for s in range(world - 1):  # all-gather", "for s in range(0):  # all-gather")],
@@ -59,6 +81,9 @@ MISTAKES = {
                              "every N-th index starting at r"),
         "seed per rank": ([("g.manual_seed(self.seed + self.epoch)",
                             "g.manual_seed(self.seed + self.epoch + self.rank)")], "the same permutation"),
+        "another permutation": ([("indices = torch.randperm(n, generator=g).tolist()",
+                                  "indices = torch.randperm(n, generator=g).flip(0).tolist()")],
+                                "ranks together, your samplers yield the same samples as torch's"),
     },
     "ddp_naive": {
         "1/N forgotten": ([("            p.grad /= world\n", "")], "summed, not averaged"),
@@ -88,6 +113,14 @@ MISTAKES = {
                                ("            work.wait()\n",
                                 "            work.wait()\n            flat.mul_(1 / self.world)\n")],
                               "went out undivided"),
+        "launched as soon as full": (ARRIVAL_ORDER, "buckets launched in the order their gradients arrived, not in "
+                                                    "bucket order"),
+        # ranks that launch their buckets in different orders: gloo aborts the rank that got the larger bucket;
+        # the verdict is that rank's line, not its peer's "Connection reset by peer"
+        "another order on rank 1": ([("        self.where = {p: k",
+                                      "        if dist.get_rank() == 1:\n            self.buckets.reverse()\n"
+                                      "        self.where = {p: k")],
+                                    "was aborted by gloo during step 1 of 4", "error"),
     },
     "zero1": {
         "shards not gathered": ([("        all_gather(self.flat, self.shard.detach().clone())\n", "")],
@@ -127,22 +160,36 @@ def test_checker_passes_ours_and_names_each_planted_mistake(name, tmp_path):
     implemented" and names its file; each planted mistake fails with the words that name it."""
     mistakes = MISTAKES[name]
     assert len(mistakes) >= 3
+    variants = [SOLUTIONS / v for v in VARIANTS.get(name, [])]
     files = [launch.REPO / PROJECT[name], SOLUTIONS / f"{name}.py", launch.REPO / "exercises" / f"{name}.py"]
-    files += [plant(name, edits, tmp_path / f"{name}_{k}.py") for k, (edits, _) in enumerate(mistakes.values())]
-    res, verdicts = check(name, files, tmp_path, *([] if name == "ring_all_reduce" else ["--no-speed"]))
+    files += variants
+    files += [plant(name, m[0], tmp_path / f"{name}_{k}.py") for k, m in enumerate(mistakes.values())]
+    flags = ([] if name == "ring_all_reduce" else ["--no-speed"]) + (["--hang-s", HANG_S[name]]
+                                                                      if name in HANG_S else [])
+    res, verdicts = check(name, files, tmp_path, *flags)
     assert verdicts is not None and len(verdicts) == len(files), res.output
     assert res.returncode == 1, res.output  # not every file passes: non-zero
-    ours, solution, stub, *planted = verdicts
+    for f, v in zip(files, verdicts):  # each file as it was given (here: absolute), never climbing out with ../
+        assert str(f) in v["text"], v["text"]
+    ours, solution, stub, *rest = verdicts
+    for f, v in zip(variants, rest):
+        assert v["status"] == "ok", f"{f.name}: {v['text']}"
+    planted = rest[len(variants):]
     assert ours["status"] == "ok" and ours["text"].startswith(f"OK {name}"), ours["text"]
     assert solution["status"] == "ok", solution["text"]
     if name == "ring_all_reduce":  # a passing ring also hears its speed against the library's
         assert "busbw" in solution["text"] and "x the library" in solution["text"], solution["text"]
     assert stub["status"] == "not_implemented", stub["text"]
     assert "NOT IMPLEMENTED" in stub["text"] and f"exercises/{name}.py" in stub["text"], stub["text"]
-    for (mistake, (_, says)), v in zip(mistakes.items(), planted):
-        assert v["status"] == "fail", f"{mistake}: {v['text']}"
+    for (mistake, (_, says, *status)), v in zip(mistakes.items(), planted):
+        assert v["status"] == (status or ["fail"])[0], f"{mistake}: {v['text']}"
         assert says in v["text"], f"{mistake}: {v['text']}"
         assert "\n  hint: " in v["text"], f"{mistake}: {v['text']}"
+    if name == "ddp_naive":  # rung 4 has no hooks: its hints must not send anyone looking for them
+        assert all("hook" not in v["text"] for v in planted), [v["text"] for v in planted]
+    if name == "tree_broadcast":  # a tree's hint, not the ring's (whose ranks all send first)
+        hang = planted[list(mistakes).index("partners that do not match")]["text"]
+        assert "vrank v < step sends to v + step" in hang and "ring" not in hang, hang
 
 
 def test_checker_exits_zero_when_the_file_passes(tmp_path):
@@ -165,3 +212,24 @@ def test_a_deadlocking_ring_ends_in_bounded_time_with_where_each_rank_waited(tmp
     for r in range(3):
         assert f"rank {r} waits at blocking_ring.py:{line} in ring_all_reduce" in first, first
     assert "dist.send blocks until the receiving rank has posted its receive" in v["text"], v["text"]
+
+
+def test_a_gloo_abort_is_told_by_the_rank_whose_error_is_the_cause():
+    """gloo aborts the rank that received more bytes than it expected: that rank leaves no verdict, only gloo's
+    last words in its output; its peer raises "Connection reset by peer". The verdict names the aborted rank, its
+    line and the case, not the peer's lost connection (check.verdict on the records two such ranks leave)."""
+    sys.path.insert(0, str(launch.REPO / "exercises"))
+    import check
+    reset = {"status": "error", "time": 1.0, "message": "RuntimeError: [../third_party/gloo/gloo/transport/tcp/"
+             "pair.cc:534] Read error [127.0.0.1]:4242: Connection reset by peer", "where": None, "checker": None,
+             "label": "case 3 of 144 (float32, shape (13,), integer-valued values)"}
+    abort = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at "
+             "pair.cc:464] op.preamble.length <= op.nbytes. 20 vs 16. Received data size doesn't match expected "
+             "size. Is there a distributed collective mismatch in your code?\n")
+    v = check.verdict("ring_all_reduce", "/x/mine.py", [None, reset], [None, None], [abort, ""], [-6, 0], 20,
+                      "mine.py")
+    assert v["status"] == "error", v
+    first = v["text"].splitlines()[0]
+    assert first.startswith("ERROR mine.py: rank 0 was aborted by gloo during case 3 of 144"), first
+    assert "Received data size doesn't match expected size" in first and "reset" not in first, first
+    assert "differ in size" in v["text"], v["text"]
