@@ -5,6 +5,7 @@ as few launches as it can: train, crash, restart, ask again, damage a checkpoint
 """
 
 import signal
+import sys
 
 import pytest
 import torch
@@ -27,15 +28,20 @@ def lines_with(res, text):
 
 
 @pytest.mark.slow
-def test_default_run_is_offline_and_loss_falls():
-    # The default model, tokenizer and data set, with fewer steps than the 300 of the real default.
-    res = launch.torchrun(SCRIPT, 2, ["--max-steps", "12", "--warmup-steps", "4", "--log-every", "4"], timeout=300)
+def test_default_run_is_offline_and_loss_falls(tmp_path):
+    # The default model, tokenizer and data set, with fewer steps than the 200 of the real default; and --profile's
+    # traces, which benchmarks/overlap.py reads (whether gloo finished a bucket inside backward is timing: not checked).
+    res = launch.torchrun(SCRIPT, 2, ["--max-steps", "12", "--warmup-steps", "4", "--log-every", "4", "--profile",
+                                      tmp_path / "prof"], timeout=300)
     assert not res.timed_out and res.returncode == 0, res.output
     ok = res.ok_line()
     assert ok and "replicas identical; loss fell" in ok, res.output
     first, last = (float(x) for x in ok.rsplit(" ", 3)[-3::2])
     assert last < first - 1.0, ok  # from ~5.5 (uniform over 257 bytes) to well below
     assert "sample:" in res.output
+    read = launch.run([sys.executable, "benchmarks/overlap.py", tmp_path / "prof" / "trace_rank1.json"], timeout=60)
+    assert read.returncode in (0, 1) and "ProfilerStep#" in read.output and "all-reduces launched" in read.output, \
+        read.output
 
 
 @pytest.mark.slow
