@@ -9,9 +9,9 @@ the core through the methods the core names for that. Use it wherever Distribute
   from ddp_dropin import ManualDDP
   model = ManualDDP(model, device_ids=[local_rank])   # as DistributedDataParallel(model, device_ids=[local_rank])
 
-It passes PyTorch's own DDP tests (tests/ddp_conformance.py), trains Hugging Face's and Lightning's Trainers and
-Fabric bit for bit as PyTorch's DDP does (tests/test_clients.py), and why each piece matches DDP the way it does
-is in docs/manual_ddp.md.
+It passes every one of PyTorch's own DDP tests that passes on PyTorch's DDP and uses only its public API
+(tests/ddp_conformance.py), and trains Hugging Face's and Lightning's Trainers and Fabric bit for bit as PyTorch's
+DDP does (tests/test_clients.py). Why each piece matches DDP the way it does: docs/manual_ddp.md.
 """
 
 import atexit
