@@ -73,7 +73,7 @@ def wait_all(reqs):
 
 # --- the same ring, pipelined: above, each addition waits for a whole chunk to arrive, and the next send for the
 # whole addition. Cut into pieces, they overlap: piece j is added and sent on while piece j+1 is on the wire. ---
-PIECE_BYTES = 1 << 20  # benchmarks/README.md: 1-2 MiB were fastest on 2 ranks here; 64 KiB pieces, 2x slower
+PIECE_BYTES = 1 << 20  # benchmarks/README.md: 1-4 MiB alike on 2 ranks here; 64 KiB (a wake-up each), 2.5x slower
 _inbox = {}  # dtype -> a receive buffer kept between calls: fresh memory costs a page fault per 4 KiB
 
 
