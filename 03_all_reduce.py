@@ -139,8 +139,8 @@ def trace_ring(device):
 
 
 def main(args):
-    if WORLD < 2:
-        raise UsageError(f"a ring needs 2 or more ranks: torchrun --nproc_per_node=2 {sys.argv[0]}")
+    if WORLD < 2:  # a ring of one has no neighbour to pass chunks to
+        raise UsageError(f"needs 2 or more ranks: launch with torchrun, e.g. torchrun --nproc_per_node=2 {sys.argv[0]}")
     device = setup(args)
     # benchmarks/all_reduce.py reports busbw = algbw * 2(N-1)/N: each rank sends N-1 chunks of 1/N in each phase,
     # 2(N-1)/N bytes per byte reduced, so busbw is comparable across N (nccl-tests' definition).
