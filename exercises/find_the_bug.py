@@ -1,0 +1,54 @@
+"""Rung 8: find the bug (the lesson: 09_debugging.py). This file is not a stub: it runs, the loss goes down, and
+nothing errors. But after training, the ranks no longer hold the same model. Find which tensors drift, and why,
+then fix `train` so that every rank ends with the same model, bit for bit.
+
+See it:    torchrun --nproc_per_node=2 exercises/find_the_bug.py      (the loss, then check_replicas' verdict)
+Check it:  python exercises/check.py find_the_bug
+
+Tools: 09's check_replicas(model) names the first tensor that differs, the ranks and by how much (this file calls
+it below); the README's troubleshooting table (09) lists the usual causes of drift.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def train(model, batches, lr=0.1, max_norm=0.5):
+    """Data parallel by hand: `model` is the same on every rank when called, `batches` this rank's own.
+
+    Contract: afterwards every parameter and buffer is the same on every rank, bit for bit, and the parameters are
+    those of SGD on the gradient averaged over the ranks, its norm clipped to `max_norm`.
+    """
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        if dist.get_rank() == 0:
+            print(f"step {step}  loss {loss.item():.4f}", flush=True)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+    return model
+
+
+if __name__ == "__main__":  # torchrun --nproc_per_node=2 exercises/find_the_bug.py
+    import importlib.util
+    import os
+
+    import torch.nn as nn
+    dist.init_process_group("gloo")
+    spec = importlib.util.spec_from_file_location("debugging", os.path.join(os.path.dirname(__file__), "..",
+                                                                            "09_debugging.py"))
+    debugging = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(debugging)
+    torch.manual_seed(0)  # the same model on every rank
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    g = torch.Generator().manual_seed(dist.get_rank())  # each rank its own data
+    train(model, [(torch.randn(8, 6, generator=g) * 3, torch.randn(8, 1, generator=g)) for _ in range(6)])
+    debugging.check_replicas(model)  # raises on every rank, naming the first tensor that differs
+    print(f"rank {dist.get_rank()}: the replicas are identical", flush=True)
+    dist.destroy_process_group()
