@@ -1,0 +1,678 @@
+"""A cost model of DDP, ZeRO and FSDP: collective times, step time and memory per rank, from 2 CPU ranks to 1,024 GPUs.
+
+Collectives cost alpha + bytes * beta per message (latency, seconds per byte), plus gamma per byte added:
+  point-to-point  alpha + n beta                               (01's send/recv)
+  tree broadcast  ceil(log2 N) (alpha + n beta)               (02's binomial tree: one hop per round)
+  lesson ring     2(N-1)(alpha + c beta) + (N-1) c gamma       (03's ring_all_reduce; c = n/N, a chunk: each
+                  addition waits for its whole chunk, and the next send for the addition)
+  pipelined ring  2(N-1)(alpha + c beta) + (N-1)(c/k) gamma    (03's pipelined_ring_all_reduce: k pieces per chunk;
+                  a step's pieces are all in flight at once, so their latencies overlap, and piece j is added while
+                  piece j+1 is on the wire: only the last piece's addition is exposed, as long as adding is no
+                  slower than sending, gamma <= beta; else the sends wait on the adds)
+  reduce-scatter  (N-1)(alpha + c beta) + (N-1) c gamma;  all-gather (N-1)(alpha + c beta)
+On a GPU the addition runs inside NCCL's copy (gamma = 0) and a named --hardware profile gives the bus bandwidth
+(NCCL's busbw) within a node and across nodes, with NCCL's latency: a ring in the node, a tree across nodes.
+
+Step time: forward, then backward with each gradient ready at its time (measured with hooks, or spread over the
+layers by FLOPs), buckets launched in order as they fill (05's bucket_layout), one collective at a time,
+overlapping backward; then the optimizer. ZeRO-1: all-reduce, step 1/N, all-gather; ZeRO-2: reduce-scatter,
+step 1/N, all-gather (07). FSDP: all-gather each unit before its forward and before its backward (the next one
+prefetched while this one computes), reduce-scatter each unit's gradients after its backward (08).
+Memory per rank: parameters, gradients, optimizer state (sharded as the strategy shards them), buckets, FSDP's
+gathered units, activations.
+
+  torchrun --nproc_per_node=2 benchmarks/costmodel.py fit --out calibration.json
+  python benchmarks/costmodel.py collective all_reduce --bytes 67108864 --ranks 2 --calibration calibration.json --json
+  python benchmarks/costmodel.py predict --model llama-7b --gpus 64 --gpus-per-node 8 --hardware h100-ib \\
+      --strategy fsdp [--json]
+  torchrun --nproc_per_node=2 benchmarks/costmodel.py check [--json check.json]   (predictions vs measurements)
+  python benchmarks/costmodel.py zero-table       (the ZeRO paper's Table 1, predicted)
+
+`predict`'s compute time is 6P + 12 L d T FLOPs a token (as nanoGPT counts them) at --mfu of the profile's peak;
+its activations assume bf16 with flash attention and no recomputation: 34 s b h bytes a layer (Korthikanti et al.,
+2022, without the 5 a s^2 b attention-score term), plus the fp32 logits and their gradient.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import load_script, write_json  # noqa: E402
+
+GB, GIB, MIB = 1e9, 2**30, 2**20
+_lesson = []  # 03_all_reduce.py, loaded once under torchrun: its setup block and rings (see lesson_module())
+
+
+def lesson_module():
+    """03's module, one copy for all: its run() must catch the UsageError its setup() raises."""
+    if not _lesson:
+        _lesson.append(load_script("03_all_reduce.py"))
+    return _lesson[0]
+
+# --- hardware profiles: each figure with where it comes from ---
+# busbw in GB/s (NCCL's bus bandwidth, nccl-tests' definition: what each rank's link moves per second);
+# alpha in seconds per step (intra: a ring step over NVLink/PCIe; inter: a tree hop across the network).
+HARDWARE = {
+    "h100-nvlink": dict(
+        gpus_per_node=8, intra_busbw=450.0, inter_busbw=450.0, alpha_intra=3e-6, alpha_inter=3e-6,
+        peak_tflops=989.0, memory_gb=80.0,
+        source="H100 SXM5 80GB: NVLink 900 GB/s (450 GB/s each way), BF16 989 TFLOPS dense, 80 GB "
+               "(https://www.nvidia.com/en-us/data-center/h100/); one NVSwitch node, nothing across nodes"),
+    "h100-ib": dict(
+        gpus_per_node=8, intra_busbw=450.0, inter_busbw=400.0, alpha_intra=3e-6, alpha_inter=8e-6,
+        peak_tflops=989.0, memory_gb=80.0,
+        source="DGX H100: 8x H100 SXM5 (above), 8 single-port ConnectX-7 400 Gb/s NDR InfiniBand, one per GPU: "
+               "8 x 50 GB/s = 400 GB/s per node, the ring's bus bandwidth across nodes with one ring per NIC "
+               "(https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html)"),
+    "a100-ib": dict(
+        gpus_per_node=8, intra_busbw=300.0, inter_busbw=200.0, alpha_intra=4e-6, alpha_inter=8e-6,
+        peak_tflops=312.0, memory_gb=80.0,
+        source="DGX A100: 8x A100 SXM4 80GB, NVLink 600 GB/s (300 each way), BF16 312 TFLOPS dense "
+               "(https://www.nvidia.com/en-us/data-center/a100/); 8 ConnectX-6 200 Gb/s HDR InfiniBand = 200 GB/s per "
+               "node (https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html)"),
+    "100gbe": dict(
+        gpus_per_node=8, intra_busbw=450.0, inter_busbw=12.5, alpha_intra=3e-6, alpha_inter=25e-6,
+        peak_tflops=989.0, memory_gb=80.0,
+        source="8x H100 SXM5 per node (above), the nodes joined by one 100 Gb/s Ethernet port each: 12.5 GB/s per "
+               "node (IEEE 802.3 100GBASE), TCP latency ~25 us a hop"),
+}
+
+# --- model shapes, written here so that nothing is downloaded ---
+MODELS = {
+    "gpt2": dict(kind="gpt2", layers=12, d=768, vocab=50257, ctx=1024, ff=3072, tied=True),  # 124M
+    "gpt2-xl": dict(kind="gpt2", layers=48, d=1600, vocab=50257, ctx=1024, ff=6400, tied=True),  # 1.56B
+    "llama-7b": dict(kind="llama", layers=32, d=4096, vocab=32000, ctx=2048, ff=11008, tied=False),  # 6.74B
+}
+
+
+# --- collectives ---
+class Link:
+    """Fitted costs (alpha, beta, gamma in seconds, seconds per byte) of one set of ranks, or a hardware profile's
+    (busbw per level, NCCL's latency). Every collective's time in seconds for n bytes on N ranks."""
+
+    def __init__(self, alpha, beta, gamma=0.0, piece_bytes=1 << 20, profile=None, gpus_per_node=None,
+                 overlaps=True, p2p=None):
+        self.alpha, self.beta, self.gamma, self.piece = alpha, beta, gamma, piece_bytes
+        self.profile, self.g, self.overlaps = profile, gpus_per_node, overlaps
+        self.p2p_cost = p2p or (alpha, beta)  # (alpha, beta) of one message alone
+
+    @classmethod
+    def from_profile(cls, name, gpus_per_node=None):
+        hw = HARDWARE[name]
+        return cls(hw["alpha_intra"], 1 / (hw["intra_busbw"] * GB), profile=hw,
+                   gpus_per_node=gpus_per_node or hw["gpus_per_node"])
+
+    @classmethod
+    def from_calibration(cls, cal):
+        return cls(cal["alpha_s"], cal["beta_s_per_byte"], cal["gamma_s_per_byte"], cal["piece_bytes"],
+                   overlaps=cal["overlaps"], p2p=(cal["p2p_alpha_s"], cal["p2p_beta_s_per_byte"]))
+
+    def _beta(self, ranks):
+        """Seconds per bus byte: the slowest level the ring crosses."""
+        if self.profile and ranks > self.g:
+            return 1 / (min(self.profile["intra_busbw"], self.profile["inter_busbw"]) * GB)
+        return self.beta
+
+    def _latency(self, ranks, steps_per_rank):
+        """The fixed cost of a collective: steps_per_rank ring steps of alpha (fitted), or NCCL's choice on a
+        profile: a ring inside each node, a tree (log2 of the nodes) across them."""
+        if not self.profile:
+            return steps_per_rank * (ranks - 1) * self.alpha
+        inside, nodes = min(ranks, self.g), math.ceil(ranks / self.g)
+        return steps_per_rank * ((inside - 1) * self.profile["alpha_intra"]
+                                 + math.ceil(math.log2(nodes)) * self.profile["alpha_inter"])
+
+    def p2p(self, n, ranks=2):
+        return self.p2p_cost[0] + n * self.p2p_cost[1]
+
+    def broadcast(self, n, ranks):
+        return math.ceil(math.log2(ranks)) * (self.alpha + n * self._beta(ranks)) if ranks > 1 else 0.0
+
+    def lesson_ring(self, n, ranks):
+        c = n / ranks
+        return 0.0 if ranks < 2 else self._latency(ranks, 2) + 2 * (ranks - 1) * c * self._beta(ranks) \
+            + (ranks - 1) * c * self.gamma
+
+    def all_reduce(self, n, ranks):
+        """The pipelined ring (the fastest hand-written one; gloo's and NCCL's all-reduce pipeline too)."""
+        if ranks < 2:
+            return 0.0
+        c, beta = n / ranks, self._beta(ranks)
+        k = max(1, math.ceil(c / self.piece))  # pieces per chunk: each one more message
+        add = (ranks - 1) * (c * max(0.0, self.gamma - beta) + (c / k) * min(beta, self.gamma))
+        return self._latency(ranks, 2) + 2 * (ranks - 1) * c * beta + add
+
+    def reduce_scatter(self, n, ranks):
+        c = n / ranks
+        return 0.0 if ranks < 2 else self._latency(ranks, 1) + (ranks - 1) * c * (self._beta(ranks) + self.gamma)
+
+    def all_gather(self, n, ranks):
+        """n: the gathered (full) size."""
+        return 0.0 if ranks < 2 else self._latency(ranks, 1) + (ranks - 1) * n / ranks * self._beta(ranks)
+
+
+COLLECTIVES = {"p2p": Link.p2p, "broadcast": Link.broadcast, "lesson_ring": Link.lesson_ring,
+               "all_reduce": Link.all_reduce, "reduce_scatter": Link.reduce_scatter, "all_gather": Link.all_gather}
+
+
+# --- step time: buckets launched in order, one collective at a time, overlapping backward ---
+def buckets_of(grad_bytes, cap_bytes, first_cap_bytes=None):
+    """Gradients (bytes, in the order backward makes them ready) cut as 05's bucket_layout cuts them: a bucket
+    closes once it holds its cap (the first one first_cap_bytes, DDP's 1 MiB, when given). Lists of indices."""
+    caps, out, cur, size = ([first_cap_bytes] if first_cap_bytes else []) + [cap_bytes], [], [], 0
+    for i, b in enumerate(grad_bytes):
+        cur.append(i)
+        size += b
+        if size >= caps[min(len(out), len(caps) - 1)]:
+            out.append(cur)
+            cur, size = [], 0
+    return out + ([cur] if cur else [])
+
+
+def overlap(ready, grad_bytes, buckets, cost, overlaps=True):
+    """When the last bucket's collective ends, each launched when its last gradient is ready and the previous
+    collective has ended (collectives on one communicator run in order). overlaps=False (a CPU with no core to
+    spare): every collective's time adds to backward's instead."""
+    costs = [cost(sum(grad_bytes[i] for i in b)) for b in buckets]
+    if not overlaps:
+        return max(ready) + sum(costs)
+    end = 0.0
+    for b, c in zip(buckets, costs):
+        end = max(end, max(ready[i] for i in b)) + c
+    return end
+
+
+def ddp_step(fwd, ready, bwd_end, opt, grad_bytes, cap_bytes, link, ranks, first_cap_bytes=None,
+             strategy="ddp"):
+    """(step seconds, exposed communication seconds) of DDP / ZeRO-1 / ZeRO-2 from a measured or modelled
+    backward: ready[i] = seconds after backward's start when gradient i is ready, in ready order."""
+    buckets = buckets_of(grad_bytes, cap_bytes, first_cap_bytes)
+    reduce = link.reduce_scatter if strategy == "zero2" else link.all_reduce
+    comm_end = overlap(ready, grad_bytes, buckets, lambda n: reduce(n, ranks), link.overlaps)
+    after = max(bwd_end, comm_end)
+    gather = 0.0
+    if strategy in ("zero1", "zero2"):  # step my shard, then all-gather the parameters, bucket by bucket
+        opt = opt / ranks
+        gather = sum(link.all_gather(sum(grad_bytes[i] for i in b), ranks) for b in buckets)
+    step = fwd + after + opt + gather
+    return step, after - bwd_end + gather
+
+
+def fsdp_step(fwd_units, bwd_units, unit_bytes, grad_unit_bytes, opt, link, ranks):
+    """(step seconds, exposed communication) of FSDP: units in forward order; each unit all-gathered before its
+    forward and its backward (the next prefetched while this one computes), its gradients reduce-scattered after
+    its backward, all on one communicator in issue order."""
+    comm = t = 0.0
+    for i, f in enumerate(fwd_units):  # all-gather unit i (issued as unit i-1 starts), then compute it
+        comm = max(comm, t if i == 0 else t - fwd_units[i - 1]) + link.all_gather(unit_bytes[i], ranks)
+        t = max(t, comm) + f
+    order = list(range(len(bwd_units)))[::-1]
+    for j, i in enumerate(order):
+        comm = max(comm, t if j == 0 else t - bwd_units[order[j - 1]]) + link.all_gather(unit_bytes[i], ranks)
+        t = max(t, comm) + bwd_units[i]
+        comm = max(comm, t) + link.reduce_scatter(grad_unit_bytes[i], ranks)
+    t = max(t, comm)
+    compute = sum(fwd_units) + sum(bwd_units)
+    return t + opt / ranks, t - compute
+
+
+def best_bucket(fwd, ready, bwd_end, opt, grad_bytes, link, ranks, strategy="ddp"):
+    """(step seconds, exposed, bucket MiB) of the fastest cap from 1/4 MiB to 1 GiB (doublings of 25 MiB): DDP's
+    25 MiB unless another is faster by more than 0.5%, then the nearest to 25 MiB of the fastest."""
+    best = None
+    for cap_mb in sorted([25 * 2.0 ** k for k in range(-6, 6)], key=lambda c: abs(math.log(c / 25))):
+        step, exposed = ddp_step(fwd, ready, bwd_end, opt, grad_bytes, cap_mb * MIB, link, ranks, strategy=strategy)
+        if best is None or step < best[0] * 0.995:
+            best = (step, exposed, cap_mb)
+    return best
+
+
+# --- memory per rank ---
+def memory(strategy, params, ranks, param_bytes=2, grad_bytes=2, state_bytes=12, bucket_bytes=0, unit_params=0,
+           activations=0):
+    """Bytes per rank: parameters, gradients, optimizer state (state_bytes a parameter: AdamW's two moments, plus
+    fp32 master weights in mixed precision: 12 = 4 + 4 + 4), buckets, FSDP's gathered units, activations."""
+    shard = math.ceil(params / ranks)
+    rows = {"ddp": (params * param_bytes, params * grad_bytes, params * state_bytes, 0),
+            "zero1": (params * param_bytes, params * grad_bytes, shard * state_bytes, 0),
+            # ZeRO-2 keeps the mean of its shard, plus full-size buckets only while they fill and travel (07)
+            "zero2": (params * param_bytes, shard * grad_bytes, shard * state_bytes, bucket_bytes),
+            # FSDP: shards, plus two gathered units (this one and the prefetched next) and one unit's full gradient
+            "fsdp": (shard * param_bytes, shard * grad_bytes, shard * state_bytes,
+                     unit_params * (2 * param_bytes + grad_bytes))}[strategy]
+    return dict(zip(("parameters", "gradients", "optimizer_state", "buckets_and_units"), rows),
+                activations=activations, total=sum(rows) + activations)
+
+
+# --- models, for predict ---
+def model_shape(name):
+    """The shape of --model: a name from MODELS, or a Hugging Face config.json (GPT-2 or Llama style)."""
+    if name in MODELS:
+        return dict(MODELS[name], name=name)
+    try:
+        with open(name) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {name}: not one of {', '.join(MODELS)}, nor a readable config.json ({e})") from None
+    try:
+        if "n_layer" in cfg:  # GPT-2's names
+            return dict(kind="gpt2", layers=cfg["n_layer"], d=cfg["n_embd"], vocab=cfg["vocab_size"],
+                        ctx=cfg.get("n_positions", 1024), ff=cfg.get("n_inner") or 4 * cfg["n_embd"], tied=True,
+                        name=name)
+        return dict(kind="llama", layers=cfg["num_hidden_layers"], d=cfg["hidden_size"], vocab=cfg["vocab_size"],
+                    ctx=cfg.get("max_position_embeddings", 2048), ff=cfg["intermediate_size"],
+                    tied=cfg.get("tie_word_embeddings", False),
+                    kv=cfg.get("num_key_value_heads", cfg.get("num_attention_heads")) /
+                    cfg.get("num_attention_heads", 1), name=name)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"--model {name}: a config.json without {e}") from None
+
+
+def layer_params(m):
+    """(parameters of one transformer layer, of the embeddings and head)."""
+    d, ff = m["d"], m["ff"]
+    if m["kind"] == "gpt2":
+        layer = 4 * d * d + 4 * d + 2 * d * ff + ff + d + 4 * d  # attention, MLP, two LayerNorms
+        outer = m["vocab"] * d + m["ctx"] * d + 2 * d
+    else:
+        kv = m.get("kv", 1.0)
+        layer = (2 + 2 * kv) * d * d + 3 * d * ff + 2 * d  # q, o, k, v; gate, up, down; two RMSNorms
+        outer = m["vocab"] * d * (1 if m["tied"] else 2) + d
+    return layer, outer
+
+
+def layer_tensors(m):
+    """One layer's parameter tensors, in forward order, sized as layer_params counts them."""
+    d, ff, layer = m["d"], m["ff"], layer_params(m)[0]
+    mats = [3 * d * d, d * d, d * ff, ff * d] if m["kind"] == "gpt2" else \
+        [d * d, m.get("kv", 1.0) * d * d, m.get("kv", 1.0) * d * d, d * d, d * ff, d * ff, ff * d]
+    return [layer - sum(mats)] + mats  # the norms and biases, small, first
+
+
+def predict(model, gpus, gpus_per_node, hardware, strategy, batch=4, seq=None, mfu=0.4, bucket_mb=None):
+    """The step of one model on gpus GPUs: a dict with the keys `predict --json` prints."""
+    m = model_shape(model) if isinstance(model, str) else model
+    hw, seq = HARDWARE[hardware], seq or m["ctx"]
+    link = Link.from_profile(hardware, gpus_per_node)
+    layer, outer = layer_params(m)
+    params = m["layers"] * layer + outer
+    tokens = batch * seq  # per GPU per step
+    flops = (6 * params + 12 * m["layers"] * m["d"] * seq) * tokens
+    compute = flops / (hw["peak_tflops"] * 1e12 * mfu)
+    fwd, bwd = compute / 3, 2 * compute / 3
+    # The optimizer reads and writes ~16+12 bytes a parameter (fp32 master, moments, bf16 copy) at ~2 TB/s.
+    opt = params * 28 / 2e12
+    # Backward from the head to the embeddings: each weight's gradient ready when its share of backward (its
+    # FLOPs, in proportion to its parameters) is done, as hooks would see it; bf16 gradients, 2 bytes each.
+    tensors = [m["vocab"] * m["d"]] + layer_tensors(m)[::-1] * m["layers"] + [outer - m["vocab"] * m["d"]]
+    ready, t, grads = [], 0.0, []
+    for n in tensors:
+        t += n / params * bwd
+        ready.append(t)
+        grads.append(2 * n)
+    acts = m["layers"] * 34 * seq * batch * m["d"] + 8 * seq * batch * m["vocab"]
+    if strategy == "fsdp":
+        units = [outer] + [layer] * m["layers"]  # the root (embeddings, head) first, then each block
+        fwd_u = [fwd * u / params for u in units]
+        bwd_u = [bwd * u / params for u in units]
+        step, exposed = fsdp_step(fwd_u, bwd_u, [2 * u for u in units], [2 * u for u in units], opt, link, gpus)
+        best_mb = None
+        mem = memory("fsdp", params, gpus, unit_params=max(layer, outer), activations=acts)
+    else:
+        if bucket_mb:
+            step, exposed = ddp_step(fwd, ready, bwd, opt, grads, bucket_mb * MIB, link, gpus, strategy=strategy)
+            best_mb = bucket_mb
+        else:
+            step, exposed, best_mb = best_bucket(fwd, ready, bwd, opt, grads, link, gpus, strategy)
+        mem = memory(strategy, params, gpus, bucket_bytes=(best_mb or 25) * MIB, activations=acts)
+    gib = mem["total"] / GIB
+    # Scaling efficiency as ddp_step.py measures it: the same per-rank work without communication, over the step
+    return dict(step_ms=step * 1e3, tokens_per_s=tokens * gpus / step, scaling_efficiency=(step - exposed) / step,
+                memory_gib_per_gpu=gib, fits=mem["total"] <= hw["memory_gb"] * GB, best_bucket_mb=best_mb,
+                exposed_comm_ms=exposed * 1e3, params=params, memory_bytes=mem)
+
+
+def zero_table(params=7.5e9, degrees=(1, 4, 16, 64, 256, 1024)):
+    """The ZeRO paper's Table 1 (Rajbhandari et al., SC20, https://arxiv.org/abs/1910.02054): GB per device for
+    7.5B parameters, K = 12, by data-parallel degree; ours from memory(), without activations or buffers."""
+    return {n: {s: memory(s, int(params), n)["total"] / GB for s in ("ddp", "zero1", "zero2", "fsdp")}
+            for n in degrees}
+
+
+# --- fitting and checking on the machine at hand (under torchrun) ---
+def line_fit(sizes, times):
+    """(alpha, beta) of t = alpha + n beta by least squares, each point weighted by 1/t^2 (relative errors), so
+    that small messages count as much as large ones; neither below zero."""
+    w = [1 / max(t, 1e-9) ** 2 for t in times]
+    sw, sx, sy = sum(w), sum(wi * n for wi, n in zip(w, sizes)), sum(wi * t for wi, t in zip(w, times))
+    sxx, sxy = sum(wi * n * n for wi, n in zip(w, sizes)), sum(wi * n * t for wi, n, t in zip(w, sizes, times))
+    beta = max(1e-15, (sw * sxy - sx * sy) / (sw * sxx - sx * sx))
+    return max(0.0, (sy - beta * sx) / sw), beta
+
+
+FIT_SIZES = (64 << 10, 256 << 10, 4 << 20, 64 << 20)  # the ring is fitted here; `check` predicts sizes between
+
+
+def fit_link(lesson, device, world, iters=8, rows=None):
+    """alpha and beta of one ring step from all_reduce.py's own measurement of 03's pipelined ring at FIT_SIZES
+    (least squares on t - additions = 2(N-1) alpha + 2(N-1) c beta; the lesson ring allocates its receive
+    buffer each call, and page faults make its largest sizes slower per byte), gamma from timing the ring's
+    addition of a 1 MiB piece, point-to-point from send_recv.py's ping-pong (ranks 0 and 1). rows:
+    all_reduce.py's rows at FIT_SIZES, if measured already. The same numbers on every rank (rank 0's, broadcast)."""
+    import torch
+    import torch.distributed as dist
+    a, b = torch.ones(lesson.PIECE_BYTES // 4), torch.ones(lesson.PIECE_BYTES // 4)
+    adds = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        a.add_(b)
+        adds.append(time.perf_counter() - t0)
+    gamma = statistics.median(adds) / a.nbytes
+    rows = [r for r in rows or measure_rings(lesson, device, FIT_SIZES, iters) if r["bytes"] in FIT_SIZES]
+    steps = 2 * (world - 1)
+    adds = [Link(0.0, 0.0, gamma, lesson.PIECE_BYTES).all_reduce(r["bytes"], world) for r in rows]  # gamma's part
+    alpha, beta = line_fit([steps * r["bytes"] / world for r in rows],
+                           [max(1e-9, r["ring_ms"] / 1e3 - add) for r, add in zip(rows, adds)])
+    send_recv = load_script("benchmarks/send_recv.py")
+    p2p = send_recv.ping_pong(device, [4 ** k for k in range(2, 12)], iters) if lesson.RANK < 2 else []
+    p2p_alpha, p2p_beta = line_fit([r["bytes"] for r in p2p], [r["latency_us"] * 1e-6 for r in p2p]) if p2p \
+        else (0.0, 0.0)
+    fitted = torch.tensor([alpha / steps, beta, gamma, p2p_alpha, p2p_beta], dtype=torch.float64)
+    dist.broadcast(fitted, src=0)
+    alpha, beta, gamma, p2p_alpha, p2p_beta = fitted.tolist()
+    # On a CPU, gloo's threads move and add the bytes: they overlap backward only if a core is left for them
+    spare = device.type != "cpu" or (os.cpu_count() or 1) >= 2 * int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return dict(alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=gamma, p2p_alpha_s=p2p_alpha,
+                p2p_beta_s_per_byte=p2p_beta, piece_bytes=lesson.PIECE_BYTES, overlaps=spare, fitted_on_ranks=world,
+                ring_rows=[dict(bytes=r["bytes"], ms=r["ring_ms"]) for r in rows],
+                p2p_rows=p2p if lesson.RANK == 0 else None)
+
+
+def measure_rings(lesson, device, sizes, iters):
+    """all_reduce.py's own measurement: the pipelined ring, the lesson ring and gloo's, side by side, at
+    all_reduce.py's sizes (1 KiB times powers of 4) from the smallest to the largest of sizes, kept if in sizes."""
+    all_reduce = load_script("benchmarks/all_reduce.py")
+    all_reduce.lesson = lesson
+    rows = all_reduce.measure(argparse.Namespace(min_bytes=min(sizes), max_bytes=max(sizes), iters=iters),
+                              device, lesson.WORLD)
+    return [r for r in rows if r["bytes"] in sizes]
+
+
+def check_ddp(lesson, device, link, caps_mb, rounds, shape):
+    """DDPCore's step (05) at each bucket cap against the prediction from the same run's backward, measured on a
+    bare model (no DDP) with a hook per gradient. Rounds alternate the bare step and each cap (a slow spell of
+    the machine hits all alike); a step counts as long as its slowest rank; medians over rounds."""
+    import torch
+    import torch.distributed as dist
+    m05 = load_script("05_manual_ddp_gpt2.py")
+    a05 = m05.parse_args(["--n-layer", str(shape[0]), "--n-embd", str(shape[1]), "--n-head", "4",
+                          "--seq-len", "64"])
+    _, bare = m05.build_model(a05)
+    wrapped = {}
+    for cap in caps_mb:
+        _, model = m05.build_model(a05)
+        wrapped[cap] = m05.DDPCore(model, bucket_cap_mb=cap)
+    params = [p for p in bare.parameters() if p.requires_grad]
+    stamp = {}
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _p, i=i: stamp.__setitem__(i, time.perf_counter()))
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in [("bare", bare), *wrapped.items()]}
+    g = torch.Generator().manual_seed(lesson.RANK)
+    x = torch.randint(0, 256, (shape[2], 65), generator=g)
+
+    def step(model, opt, profile=None):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(input_ids=x[:, :-1], use_cache=False).logits.flatten(0, 1),
+                                                 x[:, 1:].flatten())
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        t3 = time.perf_counter()
+        if profile is not None:
+            profile.append((t1 - t0, t2 - t1, t3 - t2, [stamp[i] - t1 for i in range(len(params))]))
+        return t3 - t0
+
+    profiles, times = [], {cap: [] for cap in caps_mb}
+    for r in range(rounds + 2):  # two warm-up rounds: DDPCore rebuilds its buckets after the first backward
+        keys = ["bare", *caps_mb] if r % 2 else [*caps_mb, "bare"][::-1]
+        for k in keys:
+            if k == "bare":
+                step(bare, opts[k], profiles if r >= 2 else None)
+            else:
+                t = step(wrapped[k], opts[k])
+                if r >= 2:
+                    times[k].append(t)
+    # The slowest rank per round, for the measured steps and the bare profile alike
+    t = torch.tensor([times[c] for c in caps_mb] + [[p[0] + p[1] + p[2] for p in profiles]], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    measured = {c: statistics.median(t[j].tolist()) for j, c in enumerate(caps_mb)}
+    bare_ms = statistics.median(t[-1].tolist())
+    # The median bare step, per part; the gradients' ready times of the median-backward round
+    prof = sorted(profiles, key=lambda p: p[1])[len(profiles) // 2]
+    fwd, bwd, opt = (statistics.median(p[j] for p in profiles) for j in range(3))
+    order = sorted(range(len(params)), key=lambda i: prof[3][i])
+    ready = [prof[3][i] * bwd / prof[1] for i in order]
+    grad_bytes = [params[i].numel() * params[i].element_size() for i in order]
+    rows = []
+    for cap in caps_mb:
+        pred, exposed = ddp_step(fwd, ready, bwd, opt, grad_bytes, cap * MIB, link, lesson.WORLD)
+        n_buckets = len(wrapped[cap].buckets)
+        rows.append(dict(bucket_cap_mb=cap, buckets=n_buckets, predicted_ms=pred * 1e3,
+                         measured_ms=measured[cap] * 1e3, error=pred / measured[cap] - 1,
+                         exposed_comm_ms=exposed * 1e3, bare_ms=bare_ms * 1e3))
+    return rows, sum(grad_bytes)
+
+
+def check_memory(lesson, device):
+    """Bytes each rank holds at the optimizer step (parameters, gradients, AdamW's state), as 07 and 08 count
+    them, against memory() in fp32 (4 + 4 + 8 bytes a parameter)."""
+    import torch
+    import torch.nn as nn
+    m07, m08 = load_script("07_zero.py"), load_script("08_fsdp.py")
+    a07 = m07.parse_args(["--steps", "1", "--n-layer", "2", "--n-embd", "128", "--vocab-size", "512",
+                          "--seq-len", "32", "--batch-size", "2", "--bucket-cap-mb", "0.25"])
+    base = m07.build_model(a07, device)
+    n = sum(p.numel() for p in base.parameters())
+    rows = []
+    for kind, name in ((0, "ddp"), (1, "zero1"), (2, "zero2")):
+        held = m07.train(kind, base, a07, device)["held"]
+        pred = memory(name, n, lesson.WORLD, 4, 4, 8)
+        rows.append((name, held, [pred["parameters"], pred["gradients"], pred["optimizer_state"]]))
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    n = sum(p.numel() for p in net.parameters())
+    for layer in net:
+        m08.fully_shard(layer)
+    m08.fully_shard(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net(torch.randn(8, 256)).square().mean().backward()
+    opt.step()
+    held = [mib * MIB for mib in m08.held_mib(list(net.parameters()), opt)]
+    pred = memory("fsdp", n, lesson.WORLD, 4, 4, 8)
+    rows.append(("fsdp", held, [pred["parameters"], pred["gradients"], pred["optimizer_state"]]))
+    return [dict(strategy=s, measured_bytes=sum(h), predicted_bytes=sum(p), error=sum(p) / sum(h) - 1,
+                 measured_parts=h, predicted_parts=p) for s, h, p in rows]
+
+
+# --- the command line ---
+def describe(cal):
+    return (f"fitted on {cal['fitted_on_ranks']} ranks: a ring step alpha {cal['alpha_s'] * 1e6:.1f} us + bytes / "
+            f"{1 / cal['beta_s_per_byte'] / GB:.2f} GB/s, addition {1 / cal['gamma_s_per_byte'] / GB:.2f} GB/s; "
+            f"one message alone {cal['p2p_alpha_s'] * 1e6:.1f} us + bytes / {1 / cal['p2p_beta_s_per_byte'] / GB:.2f} "
+            f"GB/s; overlap with compute: {'yes' if cal['overlaps'] else 'no (no core to spare)'}")
+
+
+def fit_main(args):
+    lesson = lesson_module()
+    device = lesson.setup(args)
+    cal = fit_link(lesson, device, lesson.WORLD)
+    lesson.print0(describe(cal))
+    if lesson.RANK == 0:
+        write_json(args.out, cal)
+        lesson.print0(f"wrote {args.out}")
+    lesson.print0("OK fitted")
+
+
+def check_main(args):
+    """Fit, then measure in the same run: the rings over sizes, DDPCore's step at two bucket caps, the memory."""
+    lesson = lesson_module()
+    device = lesson.setup(args)
+    if lesson.WORLD < 2:
+        raise lesson.UsageError("check needs 2+ ranks: torchrun --nproc_per_node=2 benchmarks/costmodel.py check")
+    say, world = lesson.print0, lesson.WORLD
+    t0 = time.perf_counter()
+    # Fit and measure in turns, --blocks times, and take the medians: a machine whose load changes by the minute
+    # (other jobs on its cores) then weighs on the fit and on the measurement alike.
+    fits, measured = [], []
+    for _ in range(args.blocks):  # one measurement gives the fit (FIT_SIZES) and the sizes checked
+        rows = measure_rings(lesson, device, sorted({*FIT_SIZES, *map(int, args.sizes)}), args.iters)
+        fits.append(fit_link(lesson, device, world, args.iters, rows))
+        measured.append([r for r in rows if r["bytes"] in args.sizes])
+    cal = dict(fits[0], **{k: statistics.median(f[k] for f in fits) for k in
+                           ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte", "p2p_alpha_s", "p2p_beta_s_per_byte")})
+    link = Link.from_calibration(cal)
+    say(f"{describe(cal)}, median of {args.blocks} fits ({time.perf_counter() - t0:.0f} s)")
+    ring_rows = []
+    for j, r in enumerate(measured[0]):
+        for name, f in (("ring", link.all_reduce), ("lesson_ring", link.lesson_ring)):
+            pred, ms = f(r["bytes"], world) * 1e3, statistics.median(m[j][f"{name}_ms"] for m in measured)
+            ring_rows.append(dict(impl=name, bytes=r["bytes"], predicted_ms=pred, measured_ms=ms, error=pred / ms - 1))
+    say("\n| ring | bytes | predicted ms | measured ms (median) | error |\n|---|---:|---:|---:|---:|")
+    for r in ring_rows:
+        say(f"| {r['impl']} | {r['bytes']:,} | {r['predicted_ms']:.3f} | {r['measured_ms']:.3f} | {r['error']:+.0%} |")
+    ddp_rows, total = check_ddp(lesson, device, link, args.caps, args.rounds, args.shape)
+    say(f"\nDDPCore (05), {total / MIB:.2f} MiB of gradients, median of {args.rounds} rounds:\n"
+        "| bucket cap MiB | buckets | predicted ms | measured ms | error | exposed comm ms (model) | bare step ms |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|")
+    for r in ddp_rows:
+        say(f"| {r['bucket_cap_mb']} | {r['buckets']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
+            f"{r['error']:+.0%} | {r['exposed_comm_ms']:.1f} | {r['bare_ms']:.1f} |")
+    mem_rows = check_memory(lesson, device)
+    say("\nheld at the optimizer step (parameters + gradients + AdamW state), fp32:\n"
+        "| strategy | predicted bytes | measured bytes (07/08) | error |\n|---|---:|---:|---:|")
+    for r in mem_rows:
+        say(f"| {r['strategy']} | {r['predicted_bytes']:,} | {r['measured_bytes']:,} | {r['error']:+.1%} |")
+    if lesson.RANK == 0 and args.json:
+        write_json(args.json, dict(world_size=world, calibration=cal, rings=ring_rows, ddp=ddp_rows,
+                                   memory=mem_rows, seconds=time.perf_counter() - t0))
+        say(f"wrote {args.json}")
+    say(f"OK checked on {world} ranks in {time.perf_counter() - t0:.0f} s")
+
+
+def collective_main(args):
+    with open(args.calibration) as f:
+        link = Link.from_calibration(json.load(f))
+    ms = COLLECTIVES[args.name](link, args.bytes, args.ranks) * 1e3
+    print(json.dumps({"ms": ms}) if args.json else f"{args.name} of {args.bytes:,} bytes on {args.ranks} ranks: "
+          f"{ms:.3f} ms")
+
+
+def predict_main(args):
+    out = predict(args.model, args.gpus, args.gpus_per_node, args.hardware, args.strategy, args.batch_size,
+                  args.seq_len, args.mfu, args.bucket_mb)
+    keys = ("step_ms", "tokens_per_s", "scaling_efficiency", "memory_gib_per_gpu", "fits", "best_bucket_mb")
+    if args.json:
+        print(json.dumps({k: out[k] for k in keys}))
+        return
+    mem = out["memory_bytes"]
+    print(f"{args.model} ({out['params'] / 1e9:.2f}B parameters), {args.strategy}, {args.gpus} GPUs "
+          f"({args.gpus_per_node} per node), {args.hardware}:")
+    print(f"  step {out['step_ms']:.1f} ms, {out['tokens_per_s']:,.0f} tokens/s, scaling efficiency "
+          f"{out['scaling_efficiency']:.2f} (exposed communication {out['exposed_comm_ms']:.1f} ms)")
+    print(f"  memory per GPU {out['memory_gib_per_gpu']:.1f} GiB: " + ", ".join(
+        f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in mem.items() if k != "total") +
+        f" -> {'fits' if out['fits'] else 'does NOT fit'} in {HARDWARE[args.hardware]['memory_gb']:.0f} GB")
+    if out["best_bucket_mb"]:
+        print(f"  best bucket size: {out['best_bucket_mb']} MiB")
+
+
+def zero_table_main(args):
+    print("| GPUs | DDP | ZeRO-1 (P_os) | ZeRO-2 (P_os+g) | ZeRO-3/FSDP (P_os+g+p) |\n|---:|---:|---:|---:|---:|")
+    for n, row in zero_table().items():
+        print(f"| {n} | " + " | ".join(f"{row[s]:.3g}" for s in ("ddp", "zero1", "zero2", "fsdp")) + " GB |")
+
+
+def positive(kind):
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {kind.__name__}: {text!r}") from None
+        if not (x > 0 and math.isfinite(x)):
+            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+        return x
+    return parse
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, as the numbered scripts
+        sys.exit(print(f"error: {message}", file=sys.stderr) or 2)
+
+
+def parse(argv=None):
+    p = Parser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    f = sub.add_parser("fit", help="fit alpha, beta, gamma here (under torchrun)")
+    f.add_argument("--out", required=True, help="the calibration JSON to write")
+    c = sub.add_parser("collective", help="one collective's predicted time")
+    c.add_argument("name", choices=list(COLLECTIVES))
+    c.add_argument("--bytes", type=positive(int), required=True)
+    c.add_argument("--ranks", type=positive(int), required=True)
+    c.add_argument("--calibration", required=True, help="a JSON that `fit` wrote")
+    c.add_argument("--json", action="store_true")
+    q = sub.add_parser("predict", help="step time, tokens/s, scaling and memory at scale")
+    q.add_argument("--model", required=True, help=f"{'|'.join(MODELS)} or a Hugging Face config.json")
+    q.add_argument("--gpus", type=positive(int), required=True)
+    q.add_argument("--gpus-per-node", type=positive(int), default=8)
+    q.add_argument("--hardware", choices=list(HARDWARE), default="h100-ib")
+    q.add_argument("--strategy", choices=["ddp", "zero1", "zero2", "fsdp"], default="ddp")
+    q.add_argument("--batch-size", type=positive(int), default=4, help="sequences per GPU per step")
+    q.add_argument("--seq-len", type=positive(int), default=None, help="default: the model's context")
+    q.add_argument("--mfu", type=positive(float), default=0.4, help="fraction of peak FLOPs the compute reaches")
+    q.add_argument("--bucket-mb", type=positive(float), default=None, help="default: the best one")
+    q.add_argument("--json", action="store_true")
+    k = sub.add_parser("check", help="predictions against measurements here (under torchrun)")
+    k.add_argument("--sizes", type=positive(int), nargs="+", default=[1 << 20, 16 << 20],
+                   help="ring sizes checked (1 KiB x a power of 4), between the fitted 64 KiB, 256 KiB, 4 MiB, 64 MiB")
+    k.add_argument("--iters", type=positive(int), default=5, help="rounds per ring size in each block")
+    k.add_argument("--blocks", type=positive(int), default=3, help="fit, then measure the rings, this many times")
+    k.add_argument("--caps", type=positive(float), nargs="+", default=[0.25, 64.0], help="DDPCore bucket caps, MiB")
+    k.add_argument("--rounds", type=positive(int), default=15, help="DDPCore rounds")
+    k.add_argument("--shape", type=positive(int), nargs=3, default=[4, 256, 4], help="layers, width, batch")
+    k.add_argument("--json", default=None)
+    sub.add_parser("zero-table", help="the ZeRO paper's Table 1, predicted")
+    for s in (f, k):  # the setup block's flags
+        s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+        s.add_argument("--backend", default=None)
+        s.add_argument("--timeout-s", type=positive(float), default=300)
+    a = p.parse_args(argv)
+    if a.command == "predict":
+        try:
+            model_shape(a.model)
+        except ValueError as e:
+            p.error(str(e))
+        if a.gpus % a.gpus_per_node and a.gpus > a.gpus_per_node:
+            p.error(f"--gpus {a.gpus} is not a multiple of --gpus-per-node {a.gpus_per_node}")
+    if a.command == "collective" and not os.path.isfile(a.calibration):
+        p.error(f"--calibration {a.calibration}: no such file (write one with `fit`)")
+    return a
+
+
+def main():
+    a = parse()
+    if a.command in ("fit", "check"):
+        lesson_module().run({"fit": fit_main, "check": check_main}[a.command], lambda: a)
+    else:
+        {"collective": collective_main, "predict": predict_main, "zero-table": zero_table_main}[a.command](a)
+
+
+if __name__ == "__main__":
+    main()
