@@ -144,7 +144,7 @@ def log_in_rank_order(line):
 def parse_args():
     p = Parser(__doc__)
     p.add_argument("--dataset-size", type=at_least(1), default=11, help="samples in the toy dataset (try N+1)")
-    p.add_argument("--seed", type=at_least(0), default=0, help="shuffle seed, shared by all ranks")
+    p.add_argument("--seed", type=at_least(0, below=2**32), default=0, help="shuffle seed, shared by all ranks")
     p.add_argument("--no-set-epoch", action="store_true", help="break it: never call set_epoch, see what repeats")
     return p.parse_args()
 
@@ -165,10 +165,10 @@ def log(*msg):  # a per-rank line, tagged, in one write so that the ranks' lines
     print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n", end="", flush=True)
 
 
-def at_least(low, kind=int):  # the argparse type of a numeric flag: a finite number >= low
+def at_least(low, kind=int, below=math.inf):  # the argparse type of a numeric flag: low <= value < below
     def parse(text):
-        if not low <= kind(text) < math.inf:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        if not low <= kind(text) < below:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < {below}, got {text}")
         return kind(text)
     return parse
 
@@ -206,7 +206,7 @@ def run(main, parse_args):
         main(parse_args())
     except UsageError as e:  # every rank stops alike, exit 2; rank 0 says why
         print0(f"error: {e}")
-        sys.exit(2)
+        os._exit(2)  # at once: tearing down a group that is up can abort in gloo's threads at exit (SIGABRT)
     except RuntimeError as e:  # a peer died, or a collective outlived --timeout-s: one line per rank, exit 1
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):
             raise  # a bug in the script keeps its traceback

@@ -20,7 +20,6 @@ Run it (the default trains a small GPT-2 offline on Python's own standard librar
 """
 
 import argparse
-import atexit
 import contextlib
 import functools
 import glob
@@ -546,8 +545,6 @@ def sample(args, tok, model, device):
 
 def main(args):
     device = setup(args)
-    # Any exit, a UsageError's too, gives gloo's threads a moment to free their last collective (else SIGABRT).
-    atexit.register(time.sleep, 0.05)
     if args.precision == "auto":
         args.precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     if device.type == "cuda":  # TF32 matmuls: float32's range, 10-bit mantissa, tensor-core speed
@@ -656,7 +653,8 @@ def parse_args(argv=None):
     g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="autocast dtype; auto: bf16 on a GPU that has it, fp32 on the CPU (exact, as the tests check)")
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block (overlap kept)")
-    g.add_argument("--seed", type=at_least(0), default=0, help="model init (same on all ranks) and data order")
+    g.add_argument("--seed", type=at_least(0, below=2**32), default=0,
+                   help="model init (same on all ranks), data order")
     g = p.add_argument_group("DDP")
     g.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual",
                    help="manual: DDPCore; torch: PyTorch's DDP; naive: average_gradients")
@@ -672,8 +670,6 @@ def parse_args(argv=None):
     g.add_argument("--crash-at-step", type=int, default=-1, help="SIGKILL the last rank at this step, first attempt "
                    "only (under torchrun --max-restarts: the run resumes, bit for bit)")
     args = p.parse_args(argv)
-    if args.seed >= 2**32:  # torch.manual_seed's limit is 2**64, and the seeds of later steps add to it
-        p.error(f"argument --seed: must be < 2**32, got {args.seed}")
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
     return args
@@ -695,10 +691,10 @@ def log(*msg):  # a per-rank line, tagged, in one write so that the ranks' lines
     print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n", end="", flush=True)
 
 
-def at_least(low, kind=int):  # the argparse type of a numeric flag: a finite number >= low
+def at_least(low, kind=int, below=math.inf):  # the argparse type of a numeric flag: low <= value < below
     def parse(text):
-        if not low <= kind(text) < math.inf:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        if not low <= kind(text) < below:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < {below}, got {text}")
         return kind(text)
     return parse
 
@@ -736,7 +732,7 @@ def run(main, parse_args):
         main(parse_args())
     except UsageError as e:  # every rank stops alike, exit 2; rank 0 says why
         print0(f"error: {e}")
-        sys.exit(2)
+        os._exit(2)  # at once: tearing down a group that is up can abort in gloo's threads at exit (SIGABRT)
     except RuntimeError as e:  # a peer died, or a collective outlived --timeout-s: one line per rank, exit 1
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):
             raise  # a bug in the script keeps its traceback

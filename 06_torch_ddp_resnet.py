@@ -18,7 +18,6 @@ Run it (MNIST is downloaded into --data-dir on first use; --dataset fake draws i
 """
 
 import argparse
-import atexit
 import math
 import os
 import shutil
@@ -234,8 +233,6 @@ def main(args):
             raise UsageError("--nproc starts its own processes: use it with plain python, not under torchrun")
         spawn(args.nproc)
     device = setup(args)
-    # Any exit, a UsageError's too, gives gloo's threads a moment to free their last collective (else SIGABRT).
-    atexit.register(time.sleep, 0.05)
     if args.precision == "auto":
         args.precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     if device.type == "cuda":  # TF32 matmuls and convolutions: float32's range, 10-bit mantissa, tensor-core speed
@@ -371,7 +368,8 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on a GPU")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (GPU only)")
     p.add_argument("--workers", type=at_least(0), default=0, help="DataLoader worker processes per rank")
-    p.add_argument("--seed", type=at_least(0), default=0, help="initial weights (the same on every rank), shuffling")
+    p.add_argument("--seed", type=at_least(0, below=2**32), default=0,
+                   help="initial weights (the same on every rank), shuffling")
     p.add_argument("--out", default=None, help="checkpoint every epoch into this directory, resume from it")
     p.add_argument("--nproc", type=at_least(0), default=0, help="start this many ranks here (plain python)")
     p.add_argument("--crash-at-step", type=int, default=-1, help="SIGKILL the last rank at this step (1st attempt)")
@@ -394,10 +392,10 @@ def log(*msg):  # a per-rank line, tagged, in one write so that the ranks' lines
     print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n", end="", flush=True)
 
 
-def at_least(low, kind=int):  # the argparse type of a numeric flag: a finite number >= low
+def at_least(low, kind=int, below=math.inf):  # the argparse type of a numeric flag: low <= value < below
     def parse(text):
-        if not low <= kind(text) < math.inf:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        if not low <= kind(text) < below:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < {below}, got {text}")
         return kind(text)
     return parse
 
@@ -435,7 +433,7 @@ def run(main, parse_args):
         main(parse_args())
     except UsageError as e:  # every rank stops alike, exit 2; rank 0 says why
         print0(f"error: {e}")
-        sys.exit(2)
+        os._exit(2)  # at once: tearing down a group that is up can abort in gloo's threads at exit (SIGABRT)
     except RuntimeError as e:  # a peer died, or a collective outlived --timeout-s: one line per rank, exit 1
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):
             raise  # a bug in the script keeps its traceback

@@ -479,12 +479,11 @@ def parse_args(argv=None):
                    help="gradient bucket size, for DDP and ZeRO alike")
     p.add_argument("--lr", type=at_least(0.0, float), default=1e-3,
                    help=f"AdamW learning rate (weight decay {WEIGHT_DECAY} on matrices)")
-    p.add_argument("--seed", type=at_least(0), default=0, help="model init (same on all ranks); the data adds the rank")
+    p.add_argument("--seed", type=at_least(0, below=2**32), default=0,
+                   help="model init (same on all ranks); the data adds the rank")
     args = p.parse_args(argv)
     if args.n_embd % 64:
         p.error(f"--n-embd must be a multiple of 64 (one attention head per 64), got {args.n_embd}")
-    if args.seed >= 2**32:  # torch.manual_seed's limit is 2**64, and the seeds of later steps add to it
-        p.error(f"argument --seed: must be < 2**32, got {args.seed}")
     return args
 
 
@@ -504,10 +503,10 @@ def log(*msg):  # a per-rank line, tagged, in one write so that the ranks' lines
     print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n", end="", flush=True)
 
 
-def at_least(low, kind=int):  # the argparse type of a numeric flag: a finite number >= low
+def at_least(low, kind=int, below=math.inf):  # the argparse type of a numeric flag: low <= value < below
     def parse(text):
-        if not low <= kind(text) < math.inf:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        if not low <= kind(text) < below:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < {below}, got {text}")
         return kind(text)
     return parse
 
@@ -545,7 +544,7 @@ def run(main, parse_args):
         main(parse_args())
     except UsageError as e:  # every rank stops alike, exit 2; rank 0 says why
         print0(f"error: {e}")
-        sys.exit(2)
+        os._exit(2)  # at once: tearing down a group that is up can abort in gloo's threads at exit (SIGABRT)
     except RuntimeError as e:  # a peer died, or a collective outlived --timeout-s: one line per rank, exit 1
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):
             raise  # a bug in the script keeps its traceback

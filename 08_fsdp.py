@@ -27,7 +27,6 @@ import os
 import shutil
 import signal
 import statistics
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -714,7 +713,8 @@ def parse_args(argv=None):
     g.add_argument("--clip", type=at_least(0.0, float), default=0.0, help="clip the global gradient norm (0: off)")
     g.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32", help="compute in this (master: fp32)")
     g.add_argument("--no-reshard-after-forward", action="store_true", help="keep gathered weights for backward")
-    g.add_argument("--seed", type=at_least(0), default=0, help="model init (same on all ranks); data differs by rank")
+    g.add_argument("--seed", type=at_least(0, below=2**32), default=0,
+                   help="model init (same on all ranks); data differs by rank")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="directory: resume from its checkpoints, write one every --ckpt-every")
     g.add_argument("--ckpt-every", type=count, default=10, help="steps between checkpoints")
@@ -744,10 +744,10 @@ def log(*msg):  # a per-rank line, tagged, in one write so that the ranks' lines
     print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n", end="", flush=True)
 
 
-def at_least(low, kind=int):  # the argparse type of a numeric flag: a finite number >= low
+def at_least(low, kind=int, below=math.inf):  # the argparse type of a numeric flag: low <= value < below
     def parse(text):
-        if not low <= kind(text) < math.inf:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        if not low <= kind(text) < below:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < {below}, got {text}")
         return kind(text)
     return parse
 
@@ -785,7 +785,7 @@ def run(main, parse_args):
         main(parse_args())
     except UsageError as e:  # every rank stops alike, exit 2; rank 0 says why
         print0(f"error: {e}")
-        sys.exit(2)
+        os._exit(2)  # at once: tearing down a group that is up can abort in gloo's threads at exit (SIGABRT)
     except RuntimeError as e:  # a peer died, or a collective outlived --timeout-s: one line per rank, exit 1
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):
             raise  # a bug in the script keeps its traceback
