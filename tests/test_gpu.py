@@ -45,8 +45,7 @@ def test_one_rank_on_nccl(name):
 def test_two_ranks_share_one_gpu_over_gloo(name):
     res = launch.torchrun(name, 2, ARGS[name] + ["--backend", "gloo"], timeout=600, device="cuda")
     assert res.returncode == 0 and res.ok_line(), res.output
-    if N_GPUS < 2:
-        assert "2 ranks share 1 GPU(s) over gloo" in res.output, res.output
+    assert "device: cuda, gloo (--device cuda" in res.output, res.output  # with one GPU, both ranks share it
 
 
 def test_compile_with_inductor():
@@ -58,15 +57,16 @@ def test_compile_with_inductor():
 
 def test_auto_with_fewer_gpus_than_ranks_runs_on_cpu_and_says_why():
     res = launch.torchrun("03_all_reduce.py", N_GPUS + 1, [], timeout=300, device="auto")
-    assert res.returncode == 0 and res.ok_line() and "device=cpu" in res.output, res.output
-    assert f"--nproc_per_node={N_GPUS}" in res.output and "--device cuda --backend gloo" in res.output
+    assert res.returncode == 0 and res.ok_line(), res.output
+    assert f"device: cpu, gloo (--device auto, {N_GPUS} GPU(s) for {N_GPUS + 1} ranks/node)" in res.output
 
 
 def test_nccl_with_fewer_gpus_than_ranks_is_one_error_line():
     results = launch.ranks("03_all_reduce.py", N_GPUS + 1, ["--backend", "nccl"], device="cuda", timeout=120)
     assert all(r.returncode == 2 for r in results), [r.output for r in results]
     lines = [ln for r in results for ln in r.output.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: nccl needs one GPU per rank"), lines
+    expected = f"error: --device cuda --backend nccl: {N_GPUS} CUDA GPU(s) for {N_GPUS + 1} ranks"
+    assert len(lines) == 1 and lines[0].startswith(expected), lines
 
 
 def test_manual_ddp_bit_identical_to_ddp_on_cuda_over_gloo():
@@ -120,10 +120,10 @@ def test_exact_checks_hold_at_longer_sequences_and_checkpoints_gather_on_the_cpu
     assert tensors and all(t.device.type == "cpu" for t in tensors), {t.device for t in tensors}
 
 
-def test_resnet_resumes_in_fp16_from_an_fp32_checkpoint(tmp_path):
+def test_resnet_resumes_in_bf16_from_an_fp32_checkpoint(tmp_path):
     args = ARGS["06_torch_ddp_resnet.py"][:-3] + ["--out", tmp_path / "r"]  # without --precision bf16 --sync-bn
     first = launch.torchrun("06_torch_ddp_resnet.py", 1, args, timeout=600, device="cuda")
     assert first.returncode == 0 and first.ok_line(), first.output
-    more = launch.torchrun("06_torch_ddp_resnet.py", 1, args + ["--epochs", "2", "--precision", "fp16"], timeout=600,
+    more = launch.torchrun("06_torch_ddp_resnet.py", 1, args + ["--epochs", "2", "--precision", "bf16"], timeout=600,
                            device="cuda")
     assert more.returncode == 0 and more.ok_line() and "resumed" in more.output, more.output
