@@ -92,7 +92,8 @@ def test_a_failed_rank_fails_its_cell_a_stuck_collective_times_out_and_a_killed_
         def cell(code, timeout=120):
             seen = []
             reply = kc.execute_interactive(code, timeout=timeout, output_hook=seen.append)
-            text = "".join(m["content"].get("text", "") + m["content"].get("ename", "") for m in seen)
+            text = "".join(m["content"].get("text", "") + m["content"].get("ename", "") + m["content"].get("evalue", "")
+                           + "".join(m["content"].get("traceback", [])) for m in seen)
             return reply["content"]["status"], text
 
         status, said = cell("import ranks\nrc = ranks.start(2, timeout_s=5)")
@@ -112,4 +113,6 @@ def test_a_failed_rank_fails_its_cell_a_stuck_collective_times_out_and_a_killed_
         assert not left, f"processes outlived the killed kernel: {left}"
     finally:
         kc.stop_channels()
+        if km.is_alive():  # a failed check above: the kernel's ranks end with it
+            km.shutdown_kernel(now=True)
         km.cleanup_resources()
