@@ -283,7 +283,7 @@ def layer_params(m):
         kv = m.get("kv", 1.0)
         layer = (2 + 2 * kv) * d * d + 3 * d * ff + 2 * d  # q, o, k, v; gate, up, down; two RMSNorms
         outer = m["vocab"] * d * (1 if m["tied"] else 2) + d
-    return layer, outer
+    return int(layer), int(outer)
 
 
 def layer_tensors(m):
@@ -291,7 +291,7 @@ def layer_tensors(m):
     d, ff, layer = m["d"], m["ff"], layer_params(m)[0]
     mats = [3 * d * d, d * d, d * ff, ff * d] if m["kind"] == "gpt2" else \
         [d * d, m.get("kv", 1.0) * d * d, m.get("kv", 1.0) * d * d, d * d, d * ff, d * ff, ff * d]
-    return [layer - sum(mats)] + mats  # the norms and biases, small, first
+    return [layer - int(sum(mats))] + [int(x) for x in mats]  # the norms and biases, small, first
 
 
 def predict(model, gpus, gpus_per_node, hardware, strategy, batch=4, seq=None, mfu=0.4, bucket_mb=None):

@@ -9,6 +9,8 @@
   memory   what a rank holds (parameters, gradients, optimizer state): DDP, ZeRO-1 and ZeRO-2 (07), DDP, ZeRO-2,
            08's FSDP and PyTorch's fully_shard (08), from the scripts' own tables
   curves   05's loss with --impl naive, manual and torch: one curve, three times
+  scaling  benchmarks/costmodel.py's predictions (no run): scaling efficiency and memory per GPU, 8 to 1,024 GPUs,
+           GPT-2, GPT-2 XL and a 7B Llama under DDP, ZeRO-1, ZeRO-2 and FSDP, and where each fits in 80 GB
 
 Each PNG carries its caption (the command, the machine, the torch version) under the plot and, for tools, in its
 PNG text fields (Title, Description: the axes and the series drawn).
@@ -172,7 +174,48 @@ def curves(out, quick):
     save(fig, out / "learning_curves.png", ax.get_title(), "python docs/figures.py curves", "step / loss", series)
 
 
-FIGURES = {"ring": ring, "overlap": overlap, "memory": memory, "curves": curves}
+def scaling(out, quick):
+    spec = importlib.util.spec_from_file_location("costmodel", REPO / "benchmarks" / "costmodel.py")
+    cm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cm)
+    plt = pyplot()
+    gpus = [8, 64, 1024] if quick else [8, 16, 32, 64, 128, 256, 512, 1024]
+    models, styles = ("gpt2", "gpt2-xl", "llama-7b"), {"ddp": "-", "zero1": "--", "zero2": "-.", "fsdp": ":"}
+    fig, axes = plt.subplots(1, 3, figsize=(13, 5.2))
+    series = []
+    for model, color in zip(models, ("C0", "C1", "C2")):
+        for strategy, style in styles.items():
+            label = f"{model} {strategy}"
+            series.append(label)
+            for ax, hw, key in ((axes[0], "h100-ib", "scaling_efficiency"), (axes[1], "100gbe", "scaling_efficiency"),
+                                (axes[2], "h100-ib", "memory_gib_per_gpu")):
+                rows = [cm.predict(model, n, 8, hw, strategy) for n in gpus]
+                ys = [r[key] for r in rows]
+                ax.plot(gpus, ys, style, color=color, label=label if ax is axes[2] else None)
+                # a filled marker where it fits in 80 GB, a cross where it does not
+                ax.scatter([n for n, r in zip(gpus, rows) if r["fits"]], [y for y, r in zip(ys, rows) if r["fits"]],
+                           color=color, s=10)
+                ax.scatter([n for n, r in zip(gpus, rows) if not r["fits"]],
+                           [y for y, r in zip(ys, rows) if not r["fits"]], color=color, marker="x", s=30)
+    for ax, title in ((axes[0], "scaling efficiency, h100-ib (8 x 400 Gb/s IB a node)"),
+                      (axes[1], "scaling efficiency, 100gbe (one 100 Gb/s port a node)"),
+                      (axes[2], "memory per GPU (GiB); x: does not fit 80 GB")):
+        ax.set(xscale="log", xlabel="GPUs (8 per node)", title=title)
+        ax.set_xticks(gpus, [str(n) for n in gpus], fontsize=7)
+        ax.title.set_fontsize(9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylim(0, 1.02)
+    axes[1].set_ylim(0, 1.02)
+    axes[2].axhline(80e9 / 2**30, color="k", linewidth=0.8)
+    axes[2].set_yscale("log")
+    fig.legend(*axes[2].get_legend_handles_labels(), fontsize=7, ncol=6, loc="lower center", bbox_to_anchor=(0.5, 0.1))
+    fig.suptitle("Predicted by benchmarks/costmodel.py: bf16 + AdamW, 4 x context tokens per GPU, 40% of peak FLOPs")
+    fig.subplots_adjust(bottom=0.34, top=0.85, wspace=0.25)
+    save(fig, out / "costmodel_scaling.png", "Scaling efficiency and memory per GPU, predicted",
+         "python docs/figures.py scaling", "GPUs / scaling efficiency (h100-ib, 100gbe), memory per GPU GiB", series)
+
+
+FIGURES = {"ring": ring, "overlap": overlap, "memory": memory, "curves": curves, "scaling": scaling}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
