@@ -513,7 +513,9 @@ def describe(cal):
 def fit_main(args):
     lesson = lesson_module()
     device = lesson.setup(args)
-    cal = fit_link(lesson, device, lesson.WORLD)
+    if lesson.WORLD < 2:
+        raise lesson.UsageError("fit needs 2+ ranks: torchrun --nproc_per_node=2 benchmarks/costmodel.py fit --out F")
+    cal = fit_link(lesson, device, lesson.WORLD, args.iters)
     lesson.print0(describe(cal))
     if lesson.RANK == 0:
         write_json(args.out, cal)
@@ -568,8 +570,11 @@ def check_main(args):
 
 
 def collective_main(args):
-    with open(args.calibration) as f:
-        link = Link.from_calibration(json.load(f))
+    if args.hardware:
+        link = Link.from_profile(args.hardware)
+    else:
+        with open(args.calibration) as f:
+            link = Link.from_calibration(json.load(f))
     ms = COLLECTIVES[args.name](link, args.bytes, args.ranks) * 1e3
     print(json.dumps({"ms": ms}) if args.json else f"{args.name} of {args.bytes:,} bytes on {args.ranks} ranks: "
           f"{ms:.3f} ms")
@@ -622,11 +627,14 @@ def parse(argv=None):
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     f = sub.add_parser("fit", help="fit alpha, beta, gamma here (under torchrun)")
     f.add_argument("--out", required=True, help="the calibration JSON to write")
+    f.add_argument("--iters", type=positive(int), default=8, help="rounds per ring size")
     c = sub.add_parser("collective", help="one collective's predicted time")
     c.add_argument("name", choices=list(COLLECTIVES))
     c.add_argument("--bytes", type=positive(int), required=True)
     c.add_argument("--ranks", type=positive(int), required=True)
-    c.add_argument("--calibration", required=True, help="a JSON that `fit` wrote")
+    src = c.add_mutually_exclusive_group(required=True)
+    src.add_argument("--calibration", help="a JSON that `fit` wrote")
+    src.add_argument("--hardware", choices=list(HARDWARE), help="or a named profile")
     c.add_argument("--json", action="store_true")
     q = sub.add_parser("predict", help="step time, tokens/s, scaling and memory at scale")
     q.add_argument("--model", required=True, help=f"{'|'.join(MODELS)} or a Hugging Face config.json")
@@ -661,7 +669,7 @@ def parse(argv=None):
             p.error(str(e))
         if a.gpus % a.gpus_per_node and a.gpus > a.gpus_per_node:
             p.error(f"--gpus {a.gpus} is not a multiple of --gpus-per-node {a.gpus_per_node}")
-    if a.command == "collective" and not os.path.isfile(a.calibration):
+    if a.command == "collective" and a.calibration and not os.path.isfile(a.calibration):
         p.error(f"--calibration {a.calibration}: no such file (write one with `fit`)")
     return a
 
