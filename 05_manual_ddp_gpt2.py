@@ -604,6 +604,7 @@ def load_newest(out):
             choice[0] = path
             break
         except Exception as e:
+            shutil.rmtree(os.path.join(out, f"{name}.damaged"), ignore_errors=True)  # an older damaged copy of it
             os.replace(os.path.join(out, name), os.path.join(out, f"{name}.damaged"))
             print0(f"warning: {path} does not load ({type(e).__name__}): renamed {name}.damaged, skipped")
     dist.broadcast_object_list(choice, src=0)
