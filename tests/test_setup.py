@@ -130,4 +130,5 @@ def test_the_gpu_tiers_flags_parse_here(name, monkeypatch):
     the script's own parser (the device flags that tier adds are the setup block's, checked above)."""
     from test_gpu import ARGS
     monkeypatch.setattr("sys.argv", [name, *ARGS.get(name, [])])
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as that tier runs them (02 checks --src against the world size)
     load_script(name).parse_args()
