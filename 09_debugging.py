@@ -127,7 +127,8 @@ def program(fault, fixed=False):
     elif fault == "rank0-only":
         for i, (x, y) in enumerate(batches(STEPS)):
             step(model, opt, x, y)
-            log(f"step {i}")
+            if not fixed:
+                log(f"step {i}")  # the training log (and the moment py-spy waits for)
             if i == 1 and RANK == 0:
                 torch.save(model.state_dict(), os.devnull)  # the checkpoint
                 if not fixed:
@@ -272,9 +273,8 @@ def scenario_uneven(args):
         show(grep(fr, r"Collective sequence number|error msg|^program at", 3), 200)
         ok = "COLLECTIVE_TYPE_MISMATCH" in fr and "'barrier'" in fr
     diagnosed(ok, "the Flight Recorder's per-rank collectives")
-    dropin_py = Path(__file__).resolve().parent / "ddp_dropin.py"  # ManualDDP: 05's DDPCore + DDP's API, Join too
-    spec = importlib.util.spec_from_file_location("ddp_dropin", dropin_py)
-    dropin = importlib.util.module_from_spec(spec)
+    spec = importlib.util.spec_from_file_location("ddp_dropin", Path(__file__).resolve().parent / "ddp_dropin.py")
+    dropin = importlib.util.module_from_spec(spec)  # ManualDDP: 05's DDPCore plus DDP's surface, Join included
     spec.loader.exec_module(dropin)
     for name, wrapper in [("PyTorch's DDP", DDP), ("ManualDDP", dropin.ManualDDP)]:
         model = wrapper(make_model())
@@ -395,10 +395,10 @@ def log(*msg):  # a per-rank line, tagged, in one write so that the ranks' lines
     print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n", end="", flush=True)
 
 
-def at_least(low, kind=int):  # the argparse type of a numeric flag: a finite number >= low
+def at_least(low, kind=int, below=math.inf):  # the argparse type of a numeric flag: low <= value < below
     def parse(text):
-        if not low <= kind(text) < math.inf:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        if not low <= kind(text) < below:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < {below}, got {text}")
         return kind(text)
     return parse
 
@@ -436,7 +436,7 @@ def run(main, parse_args):
         main(parse_args())
     except UsageError as e:  # every rank stops alike, exit 2; rank 0 says why
         print0(f"error: {e}")
-        sys.exit(2)
+        os._exit(2)  # at once: tearing down a group that is up can abort in gloo's threads at exit (SIGABRT)
     except RuntimeError as e:  # a peer died, or a collective outlived --timeout-s: one line per rank, exit 1
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):
             raise  # a bug in the script keeps its traceback

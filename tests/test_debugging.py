@@ -15,8 +15,8 @@ import launch
 
 SCENARIOS = {  # scenario -> what its output must show: the diagnosis, as the tool printed it
     "mismatch": ["rank 0 runs ALLREDUCE of shape [3]", "runs ALLREDUCE of shape [2]", "OK mismatch"],
-    "rank0-only": ["Culprit rank", "barrier", "OK rank0-only"],
-    "uneven": ["collectives, the last barrier", "with ManualDDP", "OK uneven"],
+    "rank0-only": ["Timed out waiting 8000ms", "COLLECTIVE_TYPE_MISMATCH", "'barrier'", "OK rank0-only"],
+    "uneven": ["4 batches done", "COLLECTIVE_TYPE_MISMATCH", "with PyTorch's DDP", "with ManualDDP", "OK uneven"],
     "drift": ["differ: 0.weight", "differ: 1.running_mean", "check_replicas is quiet", "OK drift"],
     "crash": ["FloatingPointError: loss is nan at step 2", "OK crash"],
 }
