@@ -355,7 +355,7 @@ def line_fit(sizes, times):
     return max(0.0, (sy - beta * sx) / sw), beta
 
 
-FIT_SIZES = (64 << 10, 256 << 10, 4 << 20, 64 << 20)  # the ring is fitted here; `check` predicts sizes between
+FIT_SIZES = (1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 4 << 20, 64 << 20)  # `check` predicts between
 
 
 def fit_link(lesson, device, world, iters=8, rows=None):
@@ -531,21 +531,23 @@ def check_main(args):
         raise lesson.UsageError("check needs 2+ ranks: torchrun --nproc_per_node=2 benchmarks/costmodel.py check")
     say, world = lesson.print0, lesson.WORLD
     t0 = time.perf_counter()
-    # Fit and measure in turns, --blocks times, and take the medians: a machine whose load changes by the minute
-    # (other jobs on its cores) then weighs on the fit and on the measurement alike.
-    fits, measured = [], []
+    # Measure --blocks times and take the medians: a machine whose load changes by the minute (other jobs on its
+    # cores) then weighs on the fitted sizes and the checked ones alike.
+    blocks = []
     for _ in range(args.blocks):  # one measurement gives the fit (FIT_SIZES) and the sizes checked
-        rows = measure_rings(lesson, device, sorted({*FIT_SIZES, *map(int, args.sizes)}), args.iters)
-        fits.append(fit_link(lesson, device, world, args.iters, rows))
-        measured.append([r for r in rows if r["bytes"] in args.sizes])
-    cal = dict(fits[0], **{k: statistics.median(f[k] for f in fits) for k in
-                           ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte", "p2p_alpha_s", "p2p_beta_s_per_byte")})
+        blocks.append(measure_rings(lesson, device, sorted({*FIT_SIZES, *map(int, args.sizes)}), args.iters))
+    # the median over blocks of each size's median, for the fit and the check alike
+    rows = [dict(bytes=r["bytes"], **{k: statistics.median(b[j][k] for b in blocks) for k in ("ring_ms",
+                                                                                           "lesson_ring_ms")})
+            for j, r in enumerate(blocks[0])]
+    cal = fit_link(lesson, device, world, args.iters, rows)
     link = Link.from_calibration(cal)
-    say(f"{describe(cal)}, median of {args.blocks} fits ({time.perf_counter() - t0:.0f} s)")
+    say(f"{describe(cal)}, from {args.blocks} blocks ({time.perf_counter() - t0:.0f} s)")
+    measured = [r for r in rows if r["bytes"] in args.sizes]
     ring_rows = []
-    for j, r in enumerate(measured[0]):
+    for r in measured:
         for name, f in (("ring", link.all_reduce), ("lesson_ring", link.lesson_ring)):
-            pred, ms = f(r["bytes"], world) * 1e3, statistics.median(m[j][f"{name}_ms"] for m in measured)
+            pred, ms = f(r["bytes"], world) * 1e3, r[f"{name}_ms"]
             ring_rows.append(dict(impl=name, bytes=r["bytes"], predicted_ms=pred, measured_ms=ms, error=pred / ms - 1))
     say("\n| ring | bytes | predicted ms | measured ms (median) | error |\n|---|---:|---:|---:|---:|")
     for r in ring_rows:
@@ -600,9 +602,10 @@ def predict_main(args):
 
 
 def zero_table_main(args):
-    print("| GPUs | DDP | ZeRO-1 (P_os) | ZeRO-2 (P_os+g) | ZeRO-3/FSDP (P_os+g+p) |\n|---:|---:|---:|---:|---:|")
+    print("GB per GPU, 7.5B parameters, bf16 + AdamW (K = 12), no activations\n"
+          "| GPUs | DDP | ZeRO-1 (P_os) | ZeRO-2 (P_os+g) | ZeRO-3/FSDP (P_os+g+p) |\n|---:|---:|---:|---:|---:|")
     for n, row in zero_table().items():
-        print(f"| {n} | " + " | ".join(f"{row[s]:.3g}" for s in ("ddp", "zero1", "zero2", "fsdp")) + " GB |")
+        print(f"| {n} | " + " | ".join(f"{row[s]:.3g}" for s in ("ddp", "zero1", "zero2", "fsdp")) + " |")
 
 
 def positive(kind):
@@ -649,9 +652,9 @@ def parse(argv=None):
     q.add_argument("--json", action="store_true")
     k = sub.add_parser("check", help="predictions against measurements here (under torchrun)")
     k.add_argument("--sizes", type=positive(int), nargs="+", default=[1 << 20, 16 << 20],
-                   help="ring sizes checked (1 KiB x a power of 4), between the fitted 64 KiB, 256 KiB, 4 MiB, 64 MiB")
+                   help="ring sizes checked (1 KiB x a power of 4), between the fitted ones (1-256 KiB, 4 and 64 MiB)")
     k.add_argument("--iters", type=positive(int), default=5, help="rounds per ring size in each block")
-    k.add_argument("--blocks", type=positive(int), default=3, help="fit, then measure the rings, this many times")
+    k.add_argument("--blocks", type=positive(int), default=3, help="measure the rings this many times")
     k.add_argument("--caps", type=positive(float), nargs="+", default=[0.25, 64.0], help="DDPCore bucket caps, MiB")
     k.add_argument("--rounds", type=positive(int), default=15, help="DDPCore rounds")
     k.add_argument("--shape", type=positive(int), nargs=3, default=[4, 256, 4], help="layers, width, batch")
