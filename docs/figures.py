@@ -1,6 +1,6 @@
 """The README's figures, each drawn from a real run on the machine that runs this.
 
-  python docs/figures.py                      # all four into docs/ (about 5 minutes on a 2-core CPU)
+  python docs/figures.py                      # all five into docs/ (about 5 minutes on a 2-core CPU)
   python docs/figures.py ring curves          # some of them
   python docs/figures.py ring --quick --out /tmp/figs   # smaller runs (the test suite's check)
 
