@@ -25,6 +25,7 @@ ARGS = {
                                "--precision", "bf16", "--sync-bn"],
     "07_zero.py": ["--n-layer", "2", "--n-embd", "64", "--steps", "3"],
     "08_fsdp.py": ["--n-layer", "2", "--n-embd", "64", "--max-steps", "3"],
+    "09_debugging.py": ["--fault", "mismatch", "drift", "crash"],  # rank0-only and uneven dump the Flight Recorder
 }
 ENV = dict(CUBLAS_WORKSPACE_CONFIG=":4096:8")  # lets deterministic cuBLAS run, for the bit-for-bit workers
 
@@ -76,7 +77,8 @@ def test_manual_ddp_bit_identical_to_ddp_on_cuda_over_gloo():
 
 
 @two_gpus
-@pytest.mark.parametrize("name", scripts(["01_send_recv.py", "02_broadcast.py", "03_all_reduce.py", "04_sampler.py"]))
+@pytest.mark.parametrize("name", scripts(["01_send_recv.py", "02_broadcast.py", "03_all_reduce.py", "04_sampler.py",
+                                          "09_debugging.py"]))
 def test_two_ranks_on_nccl(name):
     res = launch.torchrun(name, 2, ARGS[name], timeout=300, device="cuda")
     assert res.returncode == 0 and res.ok_line() and "nccl" in res.output, res.output
