@@ -45,7 +45,8 @@ if kind == "torch-via-run":
     # gloo's threads). PyTorch's DDP cannot keep its Works alive for us, so this is the scripts' whole defence.
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    load_script("01_send_recv.py").run(lambda args: train(ddp, opt), lambda: None)
+    load_script("01_send_recv.py").run(lambda args: train(ddp, opt), lambda: None)  # it ends with the destroy
+    sys.exit(0)
 if kind == "zero":
     ddp = opt = load_script("07_zero.py").ZeroDDP(model, torch.optim.SGD, lr=0.1)
 else:
