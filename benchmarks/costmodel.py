@@ -512,9 +512,9 @@ def describe(cal):
 
 def fit_main(args):
     lesson = lesson_module()
-    device = lesson.setup(args)
     if lesson.WORLD < 2:
         raise lesson.UsageError("fit needs 2+ ranks: torchrun --nproc_per_node=2 benchmarks/costmodel.py fit --out F")
+    device = lesson.setup(args)
     cal = fit_link(lesson, device, lesson.WORLD, args.iters)
     lesson.print0(describe(cal))
     if lesson.RANK == 0:
@@ -526,9 +526,9 @@ def fit_main(args):
 def check_main(args):
     """Fit, then measure in the same run: the rings over sizes, DDPCore's step at two bucket caps, the memory."""
     lesson = lesson_module()
-    device = lesson.setup(args)
     if lesson.WORLD < 2:
         raise lesson.UsageError("check needs 2+ ranks: torchrun --nproc_per_node=2 benchmarks/costmodel.py check")
+    device = lesson.setup(args)
     say, world = lesson.print0, lesson.WORLD
     t0 = time.perf_counter()
     # Measure --blocks times and take the medians: a machine whose load changes by the minute (other jobs on its

@@ -114,7 +114,8 @@ def test_bucket_simulation():
                                   ["predict", "--model", "gpt2", "--gpus", 8, "--strategy", "zero3"],
                                   ["collective", "all_reduce", "--bytes", 8, "--ranks", 2],
                                   ["collective", "all_reduce", "--bytes", 8, "--ranks", 2, "--calibration", "no.json"],
-                                  ["collective", "ring", "--bytes", 8, "--ranks", 2, "--hardware", "h100-ib"]])
+                                  ["collective", "ring", "--bytes", 8, "--ranks", 2, "--hardware", "h100-ib"],
+                                  ["fit", "--out", "x.json"], ["check"]])  # one rank: nothing to fit or check
 def test_bad_flags_are_one_error_line(args):
     res = cli(*args)
     lines = res.output.strip().splitlines()
