@@ -74,7 +74,7 @@ def wait_all(reqs):
 # --- the same ring, pipelined: above, each addition waits for a whole chunk to arrive, and the next send for the
 # whole addition. Cut into pieces, they overlap: piece j is added and sent on while piece j+1 is on the wire. ---
 PIECE_BYTES = 1 << 20  # benchmarks/README.md: 1-4 MiB alike on 2 ranks here; 64 KiB (a wake-up each), 2.5x slower
-_inbox = {}  # dtype -> a receive buffer kept between calls: fresh memory costs a page fault per 4 KiB
+_staging = {}  # dtype -> receive buffers kept between calls: fresh memory costs a page fault per 4 KiB
 
 
 def pipelined_ring_all_reduce(tensor, piece_bytes=PIECE_BYTES):
@@ -84,32 +84,32 @@ def pipelined_ring_all_reduce(tensor, piece_bytes=PIECE_BYTES):
     if tensor.is_cuda:
         return ring_all_reduce(tensor)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    n = max(1, math.ceil(flat.numel() * flat.element_size() / world / piece_bytes))  # pieces per chunk
-    pieces = [chunk.tensor_split(n) for chunk in flat.tensor_split(world)]
-    most = pieces[0][0].numel()  # the largest piece: the first of the first chunk
-    if _inbox.get(flat.dtype, flat[:0]).numel() < n * most:
-        _inbox[flat.dtype] = torch.empty(n * most, dtype=flat.dtype)
-    inbox = _inbox[flat.dtype][:n * most].view(n, most)  # row j receives piece j
+    chunks = flat.tensor_split(world)
+    size = (world - 1) * chunks[0].numel()  # staging: a chunk for each step of the reduce-scatter
+    n = max(1, math.ceil(chunks[0].numel() * flat.element_size() / piece_bytes))  # pieces per chunk
+
+    def pieces(x):  # x's pieces that hold anything (fewer elements than pieces leave the last ones empty)
+        return [p for p in x.tensor_split(n) if p.numel()]
+
+    if _staging.get(flat.dtype, flat[:0]).numel() < size:
+        _staging[flat.dtype] = torch.empty(size, dtype=flat.dtype)
+    staging = _staging[flat.dtype][:size].view(world - 1, chunks[0].numel())  # row t: step t's chunk
     right, left, steps = (rank + 1) % world, (rank - 1) % world, 2 * (world - 1)
-    receiving, sending = {}, [[] for _ in range(steps)]  # piece j -> its receive; step -> its sends in flight
-    # As in the lesson, step t sends chunk r-t (what step t-1 finished) and receives chunk r-t-1: the first N-1
-    # steps add what arrives, the others copy it in place. But each piece moves on as soon as it is done.
-    for t in range(steps + 1):
-        for j in range(n):
-            done = pieces[(rank - t) % world][j]  # piece j of what step t-1 received (step 0: our own)
-            if t > 0 and done.numel():
-                receiving.pop(j).wait()
-                if t <= world - 1:
-                    done.add_(inbox[j][:done.numel()])
-            if t < steps and done.numel():
-                sending[t].append(dist.isend(done, right))
-            into = pieces[(rank - t - 1) % world][j]
-            if t < steps and into.numel():
-                if t >= world - 1:  # in place, over the chunk step t+1-N sent: those sends must be done
-                    wait_all(sending[t + 1 - world])
-                receiving[j] = dist.irecv(into if t >= world - 1 else inbox[j][:into.numel()], left)
-    for reqs in sending:
-        wait_all(reqs)
+    # As in the lesson, step t receives chunk r-t-1: the first N-1 steps add it, the others copy it in place. Every
+    # receive is posted up front, so every send finds its receive waiting and goes straight onto the wire. In place is
+    # safe before our own send of that chunk is waited for: what arrives there already contains all that we sent.
+    arriving = [chunks[(rank - t - 1) % world] for t in range(steps)]
+    landing = [staging[t][:c.numel()] if t < world - 1 else c for t, c in enumerate(arriving)]
+    receives = [[dist.irecv(p, left) for p in pieces(into)] for into in landing]
+    sends = [dist.isend(p, right) for p in pieces(chunks[rank])]  # step 0 sends our own chunk
+    for t in range(steps):
+        for piece, landed, req in zip(pieces(arriving[t]), pieces(landing[t]), receives[t]):
+            req.wait()
+            if t < world - 1:
+                piece.add_(landed)
+            if t < steps - 1:  # piece j moves on at once, while piece j+1 is still arriving
+                sends.append(dist.isend(piece, right))
+    wait_all(sends)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     return tensor
