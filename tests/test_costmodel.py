@@ -149,6 +149,7 @@ def assert_predictions_hold(report, output, step=0.20, ring=0.50):
     assert one["buckets"] == 1 and many["buckets"] > 5, report["ddp"]
 
 
+@pytest.mark.slow  # 40-60 s of fitting and measuring on 2 cores
 def test_predictions_hold_on_2_ranks(tmp_path):
     report, output = check(2, tmp_path, "--blocks", 2, "--rounds", 10)
     assert report["world_size"] == 2 and {r["strategy"] for r in report["memory"]} == {"ddp", "zero1", "zero2", "fsdp"}

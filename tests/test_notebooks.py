@@ -81,6 +81,7 @@ def test_committed_notebooks_have_outputs_and_no_machine_paths():
         assert nb.cells[-1].cell_type == "markdown" and nb.cells[-1].source.count("?") >= 3, f"{name}: 3 questions"
 
 
+@pytest.mark.slow  # 20-50 s: two clusters started, one collective timed out
 def test_a_failed_rank_fails_its_cell_a_stuck_collective_times_out_and_a_killed_kernel_leaves_nothing(
         fresh_ipython):
     """The start cell, a cell that fails on rank 1 only, a collective that rank 1 never joins (it ends within the

@@ -17,7 +17,7 @@ TINY = ["--n-layer", "2", "--n-embd", "128", "--seq-len", "64", "--steps", "2", 
     (["--n-embd", "100"], "multiple of 64"),
     (["--steps", "0"], "must be >= 1"),
     (["--bucket-cap-mb", "0"], "must be >= 0.001"),
-    (["--seed", str(2**32)], "must be < 2"),
+    (["--seed", str(2**32)], "must be >= 0 and < 4294967296"),
 ])
 def test_bad_flags_are_one_usage_error(argv, says):
     script = load_script(SCRIPT)
