@@ -3,7 +3,7 @@
 ring_all_reduce() is the bandwidth-optimal ring by hand: a reduce-scatter (N-1 steps; each rank ends owning the full
 sum of one chunk), then an all-gather (N-1 steps; the owned chunks go round). Each rank sends 2(N-1)/N of the data
 whatever N is, which is why rings scale. pipelined_ring_all_reduce() is the same ring in pieces, as fast as gloo's
-own all-reduce (benchmarks/all_reduce.py). Both are checked against dist.all_reduce. DDP (05) sums gradients so.
+all-reduce from 16 MiB (benchmarks/README.md). Both are checked against dist.all_reduce. DDP (05) sums gradients so.
 
 Run it (any N >= 2):
   CPU:        torchrun --nproc_per_node=2 03_all_reduce.py
