@@ -143,7 +143,12 @@ def assert_predictions_hold(report, output, step=0.20, ring=0.50):
         assert abs(r["error"]) < 0.10, (r, output)
     for r in report["ddp"]:
         assert abs(r["error"]) < step, (r, output)
-    for r in report["rings"]:
+    # At 1 MiB a ring call is ~1 ms, and where the scheduler puts the two ranks decides it (both on one core: 03's
+    # ring beats gloo; one core each: 0.6x, gloo itself 2.5x slower; benchmarks/README.md): the errors measured
+    # there ran from -63% to +51% between identical runs, so 1 MiB is printed, not asserted. 16 MiB is bandwidth.
+    checked = [r for r in report["rings"] if r["bytes"] >= 16 << 20]
+    assert {r["impl"] for r in checked} == {"ring", "lesson_ring"}, report["rings"]
+    for r in checked:
         assert abs(r["error"]) < ring, (r, output)
     one, many = sorted(report["ddp"], key=lambda r: r["buckets"])
     assert one["buckets"] == 1 and many["buckets"] > 5, report["ddp"]
