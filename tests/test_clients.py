@@ -10,7 +10,7 @@ pytest.importorskip("accelerate", reason="pip install -r requirements-dev.txt")
 pytest.importorskip("lightning", reason="pip install -r requirements-dev.txt")
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: ~15 s more
 def test_hugging_face_lightning_and_fabric_run_manual_ddp_bit_for_bit(tmp_path, ranks):
     clients = ["hf", "lightning", "fabric"]
     res = launch.run(launch.torchrun_cmd("tests/workers/clients_worker.py", ranks, [*clients, tmp_path]), timeout=240)

@@ -6,6 +6,8 @@ import struct
 import sys
 from xml.etree import ElementTree
 
+import pytest
+
 import launch
 
 
@@ -26,6 +28,7 @@ def png_text(path):
     return chunks[0] == b"IHDR" and chunks[-1] == b"IEND" and b"IDAT" in chunks, fields
 
 
+@pytest.mark.slow  # two benchmark runs, ~15 s
 def test_the_ring_figure_is_drawn_from_two_real_runs(tmp_path):
     res = launch.run([sys.executable, "docs/figures.py", "ring", "--quick", "--out", tmp_path], timeout=240)
     assert res.returncode == 0 and "wrote" in res.output, res.output
