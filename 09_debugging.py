@@ -336,14 +336,14 @@ def scenario_crash(args):
         print0(f"-- the broken run, exit {rc} after {s:.0f} s; torchrun's summary names a rank, not the error:")
         show(grep(out[out.rfind("Root Cause"):], r"Root Cause|rank:|exitcode|error_file|traceback"), 120)
         rc, out, s = child(args, "crash", 10, flags=["--record"])
-        summary = out[out.rfind("Root Cause"):]
-        print0(f"-- with @record on the entry point (exit {rc}, {s:.0f} s): the exception first, from its error file:")
-        show(grep(summary, r"Root Cause|rank:|error_file|FloatingPointError|09_debugging.py", 6), 120)
-        ok = re.search(rf"rank +: {WORLD - 1} ", summary) and "FloatingPointError: loss is nan at step 2" in summary
+        mine = re.search(rf"rank +: {WORLD - 1} .*?(?=\n-{{9}}|\n\[\d+\]:|\Z)", out[out.rfind("Failures:"):], re.S)
+        print0(f"-- with @record (exit {rc}, {s:.0f} s): rank {WORLD - 1}'s exception, from its error file:")
+        ok = mine and "FloatingPointError: loss is nan at step 2" in mine.group(0)
+        show(grep(mine.group(0) if mine else out, r"rank:|error_file|FloatingPointError|09_debugging.py", 6), 120)
     diagnosed(ok, "@record's root cause")
     program("crash", fixed=True)
     print0("-- the fix: non-finite samples dropped where the data is read: all steps done")
-    print0(f"OK crash: torchrun named rank {WORLD - 1}, @record put its FloatingPointError first, fixed")
+    print0(f"OK crash: torchrun named rank {WORLD - 1}, @record put its FloatingPointError in the summary, fixed")
 
 
 def main(args):
