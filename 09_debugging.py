@@ -1,23 +1,22 @@
 """09 - Debugging distributed training: the hangs and disagreements every learner meets, each reproduced,
 diagnosed with the real tool, and fixed.
 
-What it teaches: one scenario per --fault. Each runs the broken program as a child job (torchrun, as many ranks,
-a short --timeout-s) and shows the symptom as you meet it, runs the tool that finds the cause and checks that its
-output names it, then runs the fix in this job: `OK` when all three happened, exit 1 when the diagnosis did not.
+What it teaches: one scenario per --fault, its broken program run as a child job (torchrun, as many ranks, a short
+--timeout-s): the symptom as you meet it, the tool that finds the cause (checked to name it), then the fix, run in
+this job; `OK` when all three happened, exit 1 when the diagnosis did not.
   mismatch    ranks all-reduce different shapes: a timeout or a crash; TORCH_DISTRIBUTED_DEBUG=DETAIL names both
   rank0-only  a barrier only rank 0 reaches: a timeout; the Flight Recorder names the collective, py-spy the line
   uneven      ranks with different numbers of batches: the last step hangs; Join fixes it (DDP and ManualDDP)
   drift       replicas that silently diverge, the loss fine: check_replicas() names the tensor and the ranks
   crash       one rank raises: torchrun names the rank, @record's error file the exception
+  same-gpu    (CUDA) NCCL with no torch.cuda.set_device: every rank on cuda:0; NCCL_DEBUG=INFO shows it
 check_replicas(module, group=None), importable, is the drift check to drop into your own loop every N steps.
 
   CPU:        torchrun --nproc_per_node=2 09_debugging.py --fault mismatch        (or 3 ranks; --fault all)
-  N GPUs:     torchrun --nproc_per_node=N 09_debugging.py --fault all
-  2 nodes:    not needed: each scenario launches its child job on the node it runs on
+  GPUs:       torchrun --nproc_per_node=N 09_debugging.py --fault all      (fewer GPUs than ranks: add --device cuda)
 """
 
 import argparse
-import importlib.util
 import math
 import os
 import pickle
@@ -37,7 +36,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-FAULTS = ("mismatch", "rank0-only", "uneven", "drift", "crash")
+FAULTS = ("mismatch", "rank0-only", "uneven", "drift", "crash", "same-gpu")
 BATCH, STEPS = 8, 4
 DEVICE = torch.device("cpu")  # main() sets it from setup(): the models and batches follow the chosen device
 
@@ -99,20 +98,18 @@ def batches(n):
             for _ in range(n)]
 
 
-def step(model, opt, x, y):
+def step(model, opt, x, y, clip=False):
     opt.zero_grad()
-    loss = nn.functional.mse_loss(model(x), y)
+    loss = nn.functional.mse_loss(model(x), y)  # BatchNorm's running stats: this rank's batch only
     loss.backward()
     if not isinstance(model, Joinable):  # DDP and ManualDDP (both Joinable) average in backward; a plain model here
-        average_gradients(model)
+        for p in model.parameters():  # 05's naive average: one all-reduce per parameter, after backward
+            dist.all_reduce(p.grad)
+            p.grad /= WORLD
+    if clip:  # drift's planted bug: a clip that only some ranks apply
+        nn.utils.clip_grad_norm_(model.parameters(), 0.01)
     opt.step()
     return loss
-
-
-def average_gradients(model):  # 05's naive average: one all-reduce per parameter, after backward
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= WORLD
 
 
 def program(fault, fixed=False):
@@ -148,13 +145,16 @@ def program(fault, fixed=False):
             keep = x.isfinite().all(1) if fixed else slice(None)  # fixed: non-finite samples dropped on reading
             if not torch.isfinite(loss := step(model, opt, x[keep], y[keep])):
                 raise FloatingPointError(f"loss is {loss.item()} at step {i}")
+    elif fault == "same-gpu":  # DEVICE: cuda:0 on every rank when broken (main), each rank's own when fixed (setup)
+        x = torch.ones(1, device=DEVICE)
+        dist.all_reduce(x)
+        log(f"all-reduce on {x.device} over {dist.get_backend()}: {x.item():.0f} (expected {WORLD})")
 
 
 # --- running the broken program as a child job, and reading what it printed ---
 def child(args, fault, timeout_s, env=None, flags=(), stacks=None):
-    """torchrun --standalone with WORLD ranks on `--fault fault --broken`; returns (exit code, output, seconds).
-    `stacks`: a list that receives py-spy's dump of every rank once all of them logged 'step 1'."""
-    # torchrun's variables are ours (the parent job's): the child agent must not see them.
+    """torchrun --standalone, WORLD ranks, `--fault fault --broken`, none of our own job's torchrun variables;
+    returns (exit code, output, seconds). `stacks` receives py-spy's dump of every rank once all logged 'step 1'."""
     ours = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC_")
     clean = {k: v for k, v in os.environ.items() if not k.startswith(ours) and k != "TORCH_DISTRIBUTED_DEBUG"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", __file__,
@@ -186,9 +186,8 @@ def grep(text, pattern, most=4):  # the first lines of `text` that match
 
 
 def dump_flight_recorder():
-    """Write this rank's Flight Recorder entries to $TORCH_FR_DUMP_TEMP_FILE<rank>, the file NCCL writes itself
-    on a timeout. Gloo records too (torch 2.14) but does not dump; its group's config is named '' where the
-    entries say '0', which the analyser cannot match, so we name it as the entries do."""
+    """Write this rank's Flight Recorder entries to $TORCH_FR_DUMP_TEMP_FILE<rank>, as NCCL does on a timeout:
+    gloo records (torch 2.14) but does not dump, and names its group '' where the entries say '0' (renamed)."""
     trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
     if "" in trace["pg_config"]:
         trace["pg_config"] = {"0": {**trace["pg_config"].pop(""), "name": "0", "desc": "default_pg"}}
@@ -196,15 +195,19 @@ def dump_flight_recorder():
         pickle.dump(trace, f)
 
 
-def analyse(folder):
-    """torchfrtrace (PyTorch's Flight Recorder analyser) on the dumps in `folder`: what it printed."""
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", folder,
-                          "--allow-incomplete-ranks"], capture_output=True, text=True, cwd=folder, timeout=120)
-    return res.stdout + res.stderr
+def child_recorded(args, fault, timeout_s, stacks=None):
+    """child() with the Flight Recorder on (each rank dumps its entries on the error), plus what torchfrtrace,
+    PyTorch's analyser of those dumps, printed."""
+    with tempfile.TemporaryDirectory() as d:
+        rc, out, s = child(args, fault, timeout_s, stacks=stacks,
+                           env={"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": f"{d}/trace_"})
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", d,
+                              "--allow-incomplete-ranks"], capture_output=True, text=True, cwd=d, timeout=120)
+        return rc, out, s, res.stdout + res.stderr
 
 
 def diagnosed(ok, what):
-    """One verdict for all ranks: rank 0 read the child's output; every rank exits 1 alike when it is missing."""
+    """One verdict for all ranks, rank 0's (it read the child's output): every rank exits 1 alike without it."""
     verdict = [ok]
     dist.broadcast_object_list(verdict, src=0)
     if not verdict[0]:
@@ -215,7 +218,6 @@ def diagnosed(ok, what):
 # --- the scenarios: symptom, tool, fix ---
 def scenario_mismatch(args):
     print0("== mismatch: rank 0 all-reduces its metrics with an extra value (lr), the others without it")
-    ok = True
     if RANK == 0:
         rc, out, s = child(args, "mismatch", 5)
         print0(f"-- the broken run: exit {rc} after {s:.0f} s; what the ranks said:")
@@ -227,56 +229,44 @@ def scenario_mismatch(args):
         show(sorted({f"rank {r} runs {op} of shape {shape}" for r, op, shape in calls})
              + re.findall(r"Collectives differ in the following aspects: *(.*)", out)[:1])
         ok = {"[3]", "[2]"} <= {shape for _, _, shape in calls}
-    diagnosed(ok, "DETAIL's report of both shapes")
+    diagnosed(RANK != 0 or ok, "DETAIL's report of both shapes")
     program("mismatch", fixed=True)
-    print0("-- the fix: every rank reduces the same keys (lr logged apart): done")
-    print0("OK mismatch: the broken run failed, DETAIL named both calls, the fixed run completed")
+    print0("OK mismatch: the broken run failed, DETAIL named both calls, the fix (the same keys on every rank) ran")
 
 
 def scenario_rank0_only(args):
     print0("== rank0-only: rank 0 saves a checkpoint, then a barrier meant for every rank waits in rank 0's branch")
-    ok = True
     if RANK == 0:
-        with tempfile.TemporaryDirectory() as d:
-            stacks = [] if shutil.which("py-spy") else None
-            rc, out, s = child(args, "rank0-only", 8, stacks=stacks,
-                               env={"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": f"{d}/trace_"})
-            print0(f"-- the broken run: it hangs; --timeout-s 8 turns it into an error, exit {rc} after {s:.0f} s:")
-            show(grep(out, r"error: a peer died"))
-            for r, dump in enumerate(stacks or []):
-                frames = [m.group(1) for m in re.finditer(r"^ +(\w+ \(.*?:\d+\))", dump, re.M)]
-                print0(f"-- py-spy dump --pid <rank {r}>: " + " <- ".join(frames[:3]))
-            if stacks is None:
-                print0("-- py-spy is not installed (pip install py-spy): the Flight Recorder's frames name the line")
-            ok = stacks is None or all("barrier" in dump or "all_reduce" in dump for dump in stacks)
-            fr = analyse(d)
+        stacks = [] if shutil.which("py-spy") else None
+        rc, out, s, fr = child_recorded(args, "rank0-only", 8, stacks=stacks)
+        print0(f"-- the broken run: it hangs; --timeout-s 8 turns it into an error, exit {rc} after {s:.0f} s:")
+        show(grep(out, r"error: a peer died"))
+        for r, dump in enumerate(stacks or []):
+            frames = [m.group(1) for m in re.finditer(r"^ +(\w+ \(.*?:\d+\))", dump, re.M)]
+            print0(f"-- py-spy dump --pid <rank {r}>: " + " <- ".join(frames[:3]))
+        if stacks is None:
+            print0("-- py-spy is not installed (pip install py-spy): the Flight Recorder's frames name the line")
+        ok = stacks is None or all("barrier" in dump or "all_reduce" in dump for dump in stacks)
         print0("-- torchfrtrace on the Flight Recorder's dumps (one per rank):")
         show(grep(fr, r"Collective sequence number|^collective:|error msg|^program at", 4), 200)
         ok = ok and "Culprit rank" in fr and "barrier" in fr
-    diagnosed(ok, "the Flight Recorder's culprit (or py-spy's stacks)")
+    diagnosed(RANK != 0 or ok, "the Flight Recorder's culprit (or py-spy's stacks)")
     program("rank0-only", fixed=True)
-    print0("-- the fix: the barrier outside `if rank == 0`: all steps done")
-    print0("OK rank0-only: the hang became a timeout, the Flight Recorder named the barrier on rank 0, fixed")
+    print0("OK rank0-only: the hang timed out, the Flight Recorder named rank 0's lone barrier, the fix ran")
 
 
 def scenario_uneven(args):
     print0(f"== uneven: rank r has {STEPS} + r batches, so the ranks issue different numbers of all-reduces")
-    ok = True
     if RANK == 0:
-        with tempfile.TemporaryDirectory() as d:
-            rc, out, s = child(args, "uneven", 6, env={"TORCH_FR_BUFFER_SIZE": "2000",
-                                                       "TORCH_FR_DUMP_TEMP_FILE": f"{d}/trace_"})
-            print0(f"-- the broken run: the last step hangs; after --timeout-s 6, exit {rc} after {s:.0f} s:")
-            show(grep(out, r"batches done|error: a peer died", 2 * WORLD))
-            fr = analyse(d)
+        rc, out, s, fr = child_recorded(args, "uneven", 6)
+        print0(f"-- the broken run: the last step hangs; after --timeout-s 6, exit {rc} after {s:.0f} s:")
+        show(grep(out, r"batches done|error: a peer died", 2 * WORLD))
         print0("-- torchfrtrace on the Flight Recorder's dumps: the first collective the ranks disagree on")
         show(grep(fr, r"Collective sequence number|error msg|^program at", 3), 200)
         ok = "COLLECTIVE_TYPE_MISMATCH" in fr and "'barrier'" in fr
-    diagnosed(ok, "the Flight Recorder's per-rank collectives")
-    spec = importlib.util.spec_from_file_location("ddp_dropin", Path(__file__).resolve().parent / "ddp_dropin.py")
-    dropin = importlib.util.module_from_spec(spec)  # ManualDDP: 05's DDPCore plus DDP's surface, Join included
-    spec.loader.exec_module(dropin)
-    for name, wrapper in [("PyTorch's DDP", DDP), ("ManualDDP", dropin.ManualDDP)]:
+    diagnosed(RANK != 0 or ok, "the Flight Recorder's per-rank collectives")
+    from ddp_dropin import ManualDDP  # beside this file: 05's DDPCore plus DDP's surface, Join included
+    for name, wrapper in [("PyTorch's DDP", DDP), ("ManualDDP", ManualDDP)]:
         model = wrapper(make_model())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with Join([model]):  # a rank out of batches shadows the others' all-reduces (with zeros) until all are done
@@ -293,13 +283,7 @@ def train_by_hand(seed, bn, clip_ranks, sync_buffers=False):
     model = make_model(seed, bn)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in batches(STEPS):
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)  # BatchNorm's running stats: this rank's batch only
-        loss.backward()
-        average_gradients(model)
-        if RANK in clip_ranks:
-            nn.utils.clip_grad_norm_(model.parameters(), 0.01)
-        opt.step()
+        loss = step(model, opt, x, y, clip=RANK in clip_ranks)
         for b in model.buffers() if sync_buffers else []:
             if b.is_floating_point():  # running stats: the mean over ranks (the step counter agrees already)
                 dist.all_reduce(b)
@@ -323,14 +307,13 @@ def scenario_drift(args):
             found = str(e)
         print0(f"-- {bug}: loss {loss.item():.4f}, no error; check_replicas: {found or 'quiet'}")
         diagnosed(f"differ: {expected} " in found and f"rank(s) {ranks} " in found, f"check_replicas naming {expected}")
-    check_replicas(train_by_hand(0, True, everyone, sync_buffers=True)[0])
-    print0("-- the fix: one seed, the running stats averaged, the clip on every rank: check_replicas is quiet")
-    print0("OK drift: nothing errored, check_replicas named each diverged tensor, the fixed run stays identical")
+    check_replicas(train_by_hand(0, True, everyone, sync_buffers=True)[0])  # raises if the fix were not one
+    print0("OK drift: nothing errored, check_replicas named each diverged tensor; the fix (one seed, the running "
+           "stats averaged, the clip on every rank): check_replicas is quiet")
 
 
 def scenario_crash(args):
     print0(f"== crash: rank {WORLD - 1} meets a corrupt sample and raises; its peers wait in the next all-reduce")
-    ok = True
     if RANK == 0:
         rc, out, s = child(args, "crash", 10)
         print0(f"-- the broken run, exit {rc} after {s:.0f} s; torchrun's summary names a rank, not the error:")
@@ -340,17 +323,35 @@ def scenario_crash(args):
         print0(f"-- with @record (exit {rc}, {s:.0f} s): rank {WORLD - 1}'s exception, from its error file:")
         ok = mine and "FloatingPointError: loss is nan at step 2" in mine.group(0)
         show(grep(mine.group(0) if mine else out, r"rank:|error_file|FloatingPointError|09_debugging.py", 6), 120)
-    diagnosed(ok, "@record's root cause")
-    program("crash", fixed=True)
-    print0("-- the fix: non-finite samples dropped where the data is read: all steps done")
-    print0(f"OK crash: torchrun named rank {WORLD - 1}, @record put its FloatingPointError in the summary, fixed")
+    diagnosed(RANK != 0 or ok, "@record's root cause")
+    program("crash", fixed=True)  # the fix: non-finite samples dropped where the data is read
+    print0(f"OK crash: torchrun named rank {WORLD - 1}, @record put its FloatingPointError first, the fix ran")
+
+
+def scenario_same_gpu(args):
+    print0("== same-gpu: NCCL, but no torch.cuda.set_device(local_rank): every rank's tensors land on cuda:0")
+    if DEVICE.type != "cuda":
+        return print0("-- skipped: the ranks are on the CPU (a GPU per rank, or --device cuda, runs it)")
+    if RANK == 0:
+        rc, out, s = child(args, "same-gpu", 60, env={"NCCL_DEBUG": "INFO"})
+        gpus = dict(re.findall(r" rank (\d+) nranks \d+ cudaDev \d+ nvmlDev \d+ busId (\w+)", out))
+        print0(f"-- the broken run: exit {rc} after {s:.0f} s; NCCL_DEBUG=INFO names each rank's GPU by bus id:")
+        show(grep(out, r"error: |Duplicate GPU", 2) + [f"rank {r}: busId {b}" for r, b in sorted(gpus.items())])
+        ok = len(gpus) == WORLD and len(set(gpus.values())) < WORLD
+    diagnosed(RANK != 0 or ok, "NCCL_DEBUG=INFO's bus ids, one GPU for two ranks")
+    program("same-gpu", fixed=True)  # setup(): torch.cuda.set_device(local_rank) first; fewer GPUs: gloo
+    print0("OK same-gpu: NCCL refused two ranks on one GPU, NCCL_DEBUG=INFO showed one bus id, set_device fixed it")
 
 
 def main(args):
     if WORLD < 2:
         raise UsageError("09 needs 2 or more ranks: torchrun --nproc_per_node=2 09_debugging.py --fault all")
     global DEVICE
-    DEVICE = setup(args)
+    if args.broken and args.fault == ["same-gpu"]:  # the bug is in the setup itself
+        dist.init_process_group("nccl", timeout=timedelta(seconds=args.timeout_s))
+        DEVICE = torch.device("cuda")  # BUG: no torch.cuda.set_device(LOCAL_RANK): the current device, cuda:0
+    else:
+        DEVICE = setup(args)
     if args.broken:
         log(f"pid {os.getpid()}")  # what py-spy needs
         if args.record:
@@ -363,8 +364,7 @@ def main(args):
             raise
     for fault in args.fault:
         t0 = time.time()
-        {"mismatch": scenario_mismatch, "rank0-only": scenario_rank0_only, "uneven": scenario_uneven,
-         "drift": scenario_drift, "crash": scenario_crash}[fault](args)
+        globals()["scenario_" + fault.replace("-", "_")](args)  # scenario_mismatch, scenario_rank0_only, ...
         print0(f"({fault}: {time.time() - t0:.0f} s)\n")
 
 

@@ -5,6 +5,8 @@ one rank on NCCL, and every script as 2 ranks sharing the GPU over gloo (NCCL re
 need 2 ranks, so they meet NCCL only where there are 2 GPUs or more, as does ManualDDP against DDP on NCCL.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ ARGS = {
                                "--precision", "bf16", "--sync-bn"],
     "07_zero.py": ["--n-layer", "2", "--n-embd", "64", "--steps", "3"],
     "08_fsdp.py": ["--n-layer", "2", "--n-embd", "64", "--max-steps", "3"],
-    "09_debugging.py": ["--fault", "mismatch", "drift", "crash"],  # rank0-only and uneven dump the Flight Recorder
+    "09_debugging.py": ["--fault", "mismatch", "drift", "crash", "same-gpu"],  # not rank0-only, uneven: untried on GPU
 }
 ENV = dict(CUBLAS_WORKSPACE_CONFIG=":4096:8")  # lets deterministic cuBLAS run, for the bit-for-bit workers
 
@@ -82,6 +84,16 @@ def test_manual_ddp_bit_identical_to_ddp_on_cuda_over_gloo():
 def test_two_ranks_on_nccl(name):
     res = launch.torchrun(name, 2, ARGS[name], timeout=300, device="cuda")
     assert res.returncode == 0 and res.ok_line() and "nccl" in res.output, res.output
+
+
+def test_09_same_gpu_nccl_refuses_two_ranks_on_one_gpu_and_nccl_debug_shows_both_on_one_bus_id():
+    """09's GPU lesson: NCCL with no torch.cuda.set_device puts every rank on cuda:0; the child job fails (NCCL's
+    'Duplicate GPU detected'), NCCL_DEBUG=INFO's init lines show one bus id for both ranks, the fix runs."""
+    res = launch.torchrun("09_debugging.py", 2, ["--fault", "same-gpu"], timeout=300, device="cuda")
+    assert res.returncode == 0 and (res.ok_line() or "").startswith("OK same-gpu"), res.output
+    ids = re.findall(r"rank (\d): busId (\w+)", res.output)
+    assert len(ids) == 2 and ids[0][1] == ids[1][1], res.output
+    assert "all-reduce on cuda" in res.output and "(expected 2)" in res.output, res.output
 
 
 @two_gpus
