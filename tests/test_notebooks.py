@@ -5,10 +5,12 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+import launch
 from conftest import REPO
 
 pytest.importorskip("ipyparallel")
@@ -53,19 +55,37 @@ def fresh_ipython(tmp_path, monkeypatch):
     assert not left, f"rank processes outlived the notebook: {left}"
 
 
+EXECUTE = """
+import sys
+sys.path.insert(0, "notebooks")
+import run
+nb = run.execute(run.HERE / sys.argv[1], int(sys.argv[2]))
+# %%px shows each rank's output as display data ("[stdout:r] ..."), the kernel's own as a stream
+outputs = [o for c in nb.cells for o in c.get("outputs", [])]
+print("\\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in outputs))
+"""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_top_to_bottom(name, ranks, fresh_ipython):
+def test_notebook_runs_top_to_bottom_on_2_and_3_ranks(name, tmp_path):
     """Every cell on every rank; the notebooks assert their own claims (bit-equality, identical replicas) in the
-    ranks, so a claim that does not hold fails its cell, and with it this test."""
-    import run
-    nb = run.execute(REPO / "notebooks" / name, ranks)
-    # %%px shows each rank's output as display data ("[stdout:r] ..."), the kernel's own as a stream
-    text = "\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "")
-                      for c in nb.cells for o in c.get("outputs", []))
-    assert f"{ranks} ranks joined one group" in text
-    assert all(f"[stdout:{r}]" in text for r in range(ranks)), "every rank's output appears under its cell"
+    ranks, so a claim that does not hold fails its cell, and with it this test. The two runs go side by side, each
+    kernel with its own IPython directory: much of a run is waiting on the engines' start."""
+    def execute(ranks):
+        env = launch.make_env(IPYTHONDIR=tmp_path / f"ipython{ranks}")
+        return launch.run([sys.executable, "-c", EXECUTE, name, str(ranks)], timeout=600, env=env)
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = dict(zip([2, 3], pool.map(execute, [2, 3])))
+    for ranks, res in runs.items():
+        left = none_left(tmp_path / f"ipython{ranks}")
+        for pid, _ in left:
+            os.kill(pid, signal.SIGKILL)
+        assert not res.timed_out and res.returncode == 0, f"{ranks} ranks\n{res.output[-6000:]}"
+        assert f"{ranks} ranks joined one group" in res.output, res.output[-6000:]
+        assert all(f"[stdout:{r}]" in res.output for r in range(ranks)), "every rank's output appears under its cell"
+        assert not left, f"rank processes outlived the notebook on {ranks} ranks: {left}"
 
 
 def test_committed_notebooks_have_outputs_and_no_machine_paths():
