@@ -4,6 +4,7 @@ its arguments, its numbers, its uses."""
 import inspect
 import sys
 
+import pytest
 import torch
 
 import launch
@@ -22,6 +23,7 @@ def test_constructor_takes_every_ddp_argument_with_ddp_defaults():
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ours.values()), "no **kwargs to hide typos"
 
 
+@pytest.mark.slow  # 30 s (4 ranks on 2 cores); the quick tier keeps ManualDDP == DDP through test_zoo and test_clients
 def test_drop_in_for_ddp_and_bit_identical_on_4_3_and_2_ranks():
     """One launch (each rank imports transformers for a GPT-2: launches are what the suite pays for): the drop-in
     checks on 4 ranks, with subgroups inside, and exact_worker's step-by-step torch.equal against DDP on all 4
