@@ -235,10 +235,12 @@ def select_tests(pattern=None):
     base = dt.DistributedTest._DistTestBase
     source = Path(dt.__file__).read_text()
     cls_node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == "_DistTestBase")
-    mentions, calls, line = {}, {}, {}
+    mentions, calls, line, lines = {}, {}, {}, source.splitlines()
     for f in cls_node.body:
         if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef):
-            mentions[f.name] = re.search(r"\bDistributedDataParallel\b", ast.get_source_segment(source, f)) is not None
+            # the function's lines (ast.get_source_segment splits the whole file again at each call: 20 s here)
+            body = "\n".join(lines[f.lineno - 1:f.end_lineno])
+            mentions[f.name] = re.search(r"\bDistributedDataParallel\b", body) is not None
             calls[f.name] = {a.attr for a in ast.walk(f) if isinstance(a, ast.Attribute)
                              and isinstance(a.value, ast.Name) and a.value.id == "self"}
             line[f.name] = f.lineno
