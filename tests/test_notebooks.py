@@ -40,6 +40,14 @@ def none_left(ipython_dir, within_s=20):
     return rank_processes(ipython_dir)
 
 
+def reap(ipython_dir):
+    """The rank processes of ipython_dir still alive after none_left's wait, killed; returned, for the test to fail."""
+    left = none_left(ipython_dir)
+    for pid, _ in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
 @pytest.fixture
 def fresh_ipython(tmp_path, monkeypatch):
     path = tmp_path / "ipython"
@@ -49,9 +57,7 @@ def fresh_ipython(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     yield path
-    left = none_left(path)
-    for pid, _ in left:
-        os.kill(pid, signal.SIGKILL)
+    left = reap(path)
     assert not left, f"rank processes outlived the notebook: {left}"
 
 
@@ -79,9 +85,7 @@ def test_notebook_runs_top_to_bottom_on_2_and_3_ranks(name, tmp_path):
     with ThreadPoolExecutor(2) as pool:
         runs = dict(zip([2, 3], pool.map(execute, [2, 3])))
     for ranks, res in runs.items():
-        left = none_left(tmp_path / f"ipython{ranks}")
-        for pid, _ in left:
-            os.kill(pid, signal.SIGKILL)
+        left = reap(tmp_path / f"ipython{ranks}")
         assert not res.timed_out and res.returncode == 0, f"{ranks} ranks\n{res.output[-6000:]}"
         assert f"{ranks} ranks joined one group" in res.output, res.output[-6000:]
         assert all(f"[stdout:{r}]" in res.output for r in range(ranks)), "every rank's output appears under its cell"
