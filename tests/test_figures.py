@@ -1,6 +1,8 @@
-"""docs/figures.py draws the README's figures from real runs: one is regenerated here, so its command cannot rot.
-docs/diagrams.py draws the concept drawings: all are regenerated here and must equal the committed ones."""
+"""docs/figures.py draws the figures of the README and docs/ from real runs: one is regenerated here, so its command
+cannot rot. docs/diagrams.py draws the concept drawings: all are regenerated here and must equal the committed ones.
+Each figure is shown on one page (the README or the docs page of its topic), beside the command that draws it."""
 
+import os
 import re
 import struct
 import sys
@@ -41,12 +43,23 @@ def test_the_ring_figure_is_drawn_from_two_real_runs(tmp_path):
         assert series in text["Description"], text
 
 
-def test_the_readme_shows_every_figure_with_its_command():
-    readme = (launch.REPO / "README.md").read_text()
-    for name, command in (("ring_busbw", "ring"), ("ddp_overlap", "overlap"), ("memory_per_rank", "memory"),
-                          ("learning_curves", "curves")):
-        assert (launch.REPO / "docs" / f"{name}.png").exists(), name
-        assert f"(docs/{name}.png)" in readme and f"python docs/figures.py {command}" in readme, name
+def shown_with_its_command(figure, command):
+    """The page (README.md or docs/*.md) that shows docs/<figure>, which must be one page, naming the command."""
+    pages = [launch.REPO / "README.md", *sorted((launch.REPO / "docs").glob("*.md"))]
+    path = launch.REPO / "docs" / figure
+    showing = [p for p in pages if f"]({os.path.relpath(path, p.parent)})" in p.read_text()]
+    assert path.exists(), figure
+    assert len(showing) == 1, f"docs/{figure} is shown on {[p.name for p in showing]}: one page, the topic's"
+    assert command in showing[0].read_text(), f"{showing[0].name} shows docs/{figure} without `{command}`"
+
+
+FIGURES = {"ring_busbw": "ring", "ddp_overlap": "overlap", "memory_per_rank": "memory", "learning_curves": "curves",
+           "costmodel_scaling": "scaling"}
+
+
+@pytest.mark.parametrize("name", FIGURES)
+def test_every_figure_is_shown_with_its_command(name):
+    shown_with_its_command(f"{name}.png", f"python docs/figures.py {FIGURES[name]}")
 
 
 # Each drawing, the command that draws it, and words it must show (the SVGs keep their text as text).
@@ -78,7 +91,6 @@ def test_the_diagrams_are_drawn_again_the_same(tmp_path):
             assert drawn == committed, f"docs/{name}.svg is not what python docs/diagrams.py draws: run it again"
 
 
-def test_the_readme_shows_every_diagram_with_its_command():
-    readme = (launch.REPO / "README.md").read_text()
-    for name, (command, _) in DIAGRAMS.items():
-        assert f"(docs/{name}.svg)" in readme and f"python docs/diagrams.py {command}" in readme, name
+@pytest.mark.parametrize("name", DIAGRAMS)
+def test_every_diagram_is_shown_with_its_command(name):
+    shown_with_its_command(f"{name}.svg", f"python docs/diagrams.py {DIAGRAMS[name][0]}")
