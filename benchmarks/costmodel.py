@@ -16,21 +16,27 @@ On a GPU the addition runs inside NCCL's copy (gamma = 0) and a named --hardware
 Step time: forward, then backward with each gradient ready at its time (measured with hooks, or spread over the
 layers by FLOPs), buckets launched in order as they fill (05's bucket_layout), one collective at a time,
 overlapping backward; then the optimizer. ZeRO-1: all-reduce, step 1/N, all-gather; ZeRO-2: reduce-scatter,
-step 1/N, all-gather (07). FSDP: all-gather each unit before its forward and before its backward (the next one
-prefetched while this one computes), reduce-scatter each unit's gradients after its backward (08).
+step 1/N, all-gather (07). FSDP (08): all-gather each unit before its forward and before its backward, the next
+one issued as this one starts computing (forward prefetch; backward prefetch as PyTorch's BACKWARD_PRE issues
+it: the next all-gather before this unit's reduce-scatter), reduce-scatter each unit's gradients after its
+backward. HSDP: FSDP within a node, each unit's shard all-reduced across nodes. Gradient accumulation: DDP and
+ZeRO-1 communicate once a step (no_sync), ZeRO-2 and FSDP reduce-scatter (FSDP re-gathers) every micro-batch,
+HSDP all-reduces across nodes once a step.
 Memory per rank: parameters, gradients, optimizer state (sharded as the strategy shards them), buckets, FSDP's
-gathered units, activations.
+gathered units, activations (with none, selective or full activation checkpointing).
 
   torchrun --nproc_per_node=2 benchmarks/costmodel.py fit --out calibration.json
   python benchmarks/costmodel.py collective all_reduce --bytes 67108864 --ranks 2 --calibration calibration.json --json
   python benchmarks/costmodel.py predict --model llama-7b --gpus 64 --gpus-per-node 8 --hardware h100-ib \\
-      --strategy fsdp [--json]
+      --strategy fsdp [--inter-node-gbps 50 --gpu-mem-gib 40 --activation-checkpointing full --grad-accum 4 \\
+      --mfu 0.5] [--json]
   torchrun --nproc_per_node=2 benchmarks/costmodel.py check [--json check.json]   (predictions vs measurements)
   python benchmarks/costmodel.py zero-table       (the ZeRO paper's Table 1, predicted)
 
-`predict`'s compute time is 6P + 12 L d T FLOPs a token (as nanoGPT counts them) at --mfu of the profile's peak;
-its activations assume bf16 with flash attention and no recomputation: 34 s b h bytes a layer (Korthikanti et al.,
-2022, without the 5 a s^2 b attention-score term), plus the fp32 logits and their gradient.
+`predict`'s compute runs at --mfu (model FLOPs: 6N + 12 L d s a token, as published tables count them) or --hfu
+(hardware FLOPs: recomputation included) of the GPU's peak; its activations are Korthikanti et al.'s (2022), in
+bf16, with flash attention unless --attention eager (activation_bytes, flops_per_token). docs/costmodel.md: how
+to use it, and how far to trust it.
 """
 
 import argparse
@@ -57,36 +63,51 @@ def lesson_module():
 # --- hardware profiles: each figure with where it comes from ---
 # busbw in GB/s (NCCL's bus bandwidth, nccl-tests' definition: what each rank's link moves per second);
 # alpha in seconds per step (intra: a ring step over NVLink/PCIe; inter: a tree hop across the network).
+# Across nodes a ring's bus bandwidth is what one node's NICs move together, each direction (NCCL runs one ring
+# per NIC, each carrying its share): predict's --inter-node-gbps. memory_gib: the card's memory as nvidia-smi
+# counts it (80 GB cards: 80 GiB; an H100 SXM shows 79.6 usable). Every figure is a default that predict's
+# --intra-node-gbps, --inter-node-gbps, --gpu-mem-gib and --peak-tflops replace.
 HARDWARE = {
     "h100-nvlink": dict(
         gpus_per_node=8, intra_busbw=450.0, inter_busbw=450.0, alpha_intra=3e-6, alpha_inter=3e-6,
-        peak_tflops=989.0, memory_gb=80.0,
+        peak_tflops=989.0, memory_gib=80.0,
         source="H100 SXM5 80GB: NVLink 900 GB/s (450 GB/s each way), BF16 989 TFLOPS dense, 80 GB "
                "(https://www.nvidia.com/en-us/data-center/h100/); one NVSwitch node, nothing across nodes"),
     "h100-ib": dict(
         gpus_per_node=8, intra_busbw=450.0, inter_busbw=400.0, alpha_intra=3e-6, alpha_inter=8e-6,
-        peak_tflops=989.0, memory_gb=80.0,
+        peak_tflops=989.0, memory_gib=80.0,
         source="DGX H100: 8x H100 SXM5 (above), 8 single-port ConnectX-7 400 Gb/s NDR InfiniBand, one per GPU: "
                "8 x 50 GB/s = 400 GB/s per node, the ring's bus bandwidth across nodes with one ring per NIC "
                "(https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html)"),
     "a100-ib": dict(
         gpus_per_node=8, intra_busbw=300.0, inter_busbw=200.0, alpha_intra=4e-6, alpha_inter=8e-6,
-        peak_tflops=312.0, memory_gb=80.0,
+        peak_tflops=312.0, memory_gib=80.0,
         source="DGX A100: 8x A100 SXM4 80GB, NVLink 600 GB/s (300 each way), BF16 312 TFLOPS dense "
                "(https://www.nvidia.com/en-us/data-center/a100/); 8 ConnectX-6 200 Gb/s HDR InfiniBand = 200 GB/s per "
                "node (https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html)"),
     "100gbe": dict(
         gpus_per_node=8, intra_busbw=450.0, inter_busbw=12.5, alpha_intra=3e-6, alpha_inter=25e-6,
-        peak_tflops=989.0, memory_gb=80.0,
+        peak_tflops=989.0, memory_gib=80.0,
         source="8x H100 SXM5 per node (above), the nodes joined by one 100 Gb/s Ethernet port each: 12.5 GB/s per "
                "node (IEEE 802.3 100GBASE), TCP latency ~25 us a hop"),
 }
 
 # --- model shapes, written here so that nothing is downloaded ---
+# (gpt2 kind: learned positions, biases, LayerNorm, tied head; llama kind: RMSNorm, SwiGLU, no biases, kv: the
+# fraction of heads that are key/value heads.) The MPT shapes are llm-foundry's benchmark configurations, whose
+# parameter counts (its benchmarking README's NumParams at 2048 tokens) they give exactly.
 MODELS = {
-    "gpt2": dict(kind="gpt2", layers=12, d=768, vocab=50257, ctx=1024, ff=3072, tied=True),  # 124M
-    "gpt2-xl": dict(kind="gpt2", layers=48, d=1600, vocab=50257, ctx=1024, ff=6400, tied=True),  # 1.56B
-    "llama-7b": dict(kind="llama", layers=32, d=4096, vocab=32000, ctx=2048, ff=11008, tied=False),  # 6.74B
+    "gpt2": dict(kind="gpt2", layers=12, d=768, heads=12, vocab=50257, ctx=1024, ff=3072, tied=True),  # 124M
+    "gpt2-xl": dict(kind="gpt2", layers=48, d=1600, heads=25, vocab=50257, ctx=1024, ff=6400, tied=True),  # 1.56B
+    "mpt-7b": dict(kind="gpt2", layers=32, d=4096, heads=32, vocab=50368, ctx=2048, ff=16384, tied=True),  # 6.66B
+    "mpt-13b": dict(kind="gpt2", layers=40, d=5120, heads=40, vocab=50368, ctx=2048, ff=20480, tied=True),  # 12.9B
+    "mpt-30b": dict(kind="gpt2", layers=48, d=7168, heads=64, vocab=50368, ctx=2048, ff=28672, tied=True),  # 30.0B
+    "llama-7b": dict(kind="llama", layers=32, d=4096, heads=32, vocab=32000, ctx=2048, ff=11008,
+                     tied=False),  # 6.74B: LLaMA 7B, and Llama 2 7B's shape (its context is 4096: --seq-len)
+    "llama3-8b": dict(kind="llama", layers=32, d=4096, heads=32, kv=0.25, vocab=128256, ctx=8192, ff=14336,
+                      tied=False),  # 8.03B
+    "llama2-70b": dict(kind="llama", layers=80, d=8192, heads=64, kv=0.125, vocab=32000, ctx=4096, ff=28672,
+                       tied=False),  # 69.0B
 }
 
 
@@ -102,8 +123,9 @@ class Link:
         self.p2p_cost = p2p or (alpha, beta)  # (alpha, beta) of one message alone
 
     @classmethod
-    def from_profile(cls, name, gpus_per_node=None):
-        hw = HARDWARE[name]
+    def from_profile(cls, hw, gpus_per_node=None):
+        """hw: a HARDWARE name, or such a dict (predict's, with the user's figures in it)."""
+        hw = HARDWARE[hw] if isinstance(hw, str) else hw
         return cls(hw["alpha_intra"], 1 / (hw["intra_busbw"] * GB), profile=hw,
                    gpus_per_node=gpus_per_node or hw["gpus_per_node"])
 
@@ -155,6 +177,15 @@ class Link:
         """n: the gathered (full) size."""
         return 0.0 if ranks < 2 else self._latency(ranks, 1) + (ranks - 1) * n / ranks * self._beta(ranks)
 
+    def across_nodes_all_reduce(self, n, nodes):
+        """HSDP's all-reduce of the shards across nodes: each of a node's g ranks all-reduces its n/g bytes with
+        its peers (one rank a node), the g all-reduces at once through the node's NICs: 2(nodes-1)/nodes n bytes
+        through a node's inter-node bandwidth, NCCL's tree latency."""
+        if nodes < 2:
+            return 0.0
+        return 2 * (math.ceil(math.log2(nodes)) * self.profile["alpha_inter"]
+                    + (nodes - 1) / nodes * n / (self.profile["inter_busbw"] * GB))
+
 
 COLLECTIVES = {"p2p": Link.p2p, "broadcast": Link.broadcast, "lesson_ring": Link.lesson_ring,
                "all_reduce": Link.all_reduce, "reduce_scatter": Link.reduce_scatter, "all_gather": Link.all_gather}
@@ -188,9 +219,12 @@ def overlap(ready, grad_bytes, buckets, cost, overlaps=True):
 
 
 def ddp_step(fwd, ready, bwd_end, opt, grad_bytes, cap_bytes, link, ranks, first_cap_bytes=None,
-             strategy="ddp"):
+             strategy="ddp", accum=1):
     """(step seconds, exposed communication seconds) of DDP / ZeRO-1 / ZeRO-2 from a measured or modelled
-    backward: ready[i] = seconds after backward's start when gradient i is ready, in ready order."""
+    backward: ready[i] = seconds after backward's start when gradient i is ready, in ready order. accum
+    micro-batches a step (gradient accumulation): DDP and ZeRO-1 run the first accum-1 under no_sync, with no
+    communication, and all-reduce once, during the last backward; ZeRO-2 keeps only its shard of the gradients, so
+    it reduce-scatters every micro-batch's; the optimizer (and ZeRO's all-gather) once a step."""
     buckets = buckets_of(grad_bytes, cap_bytes, first_cap_bytes)
     reduce = link.reduce_scatter if strategy == "zero2" else link.all_reduce
     comm_end = overlap(ready, grad_bytes, buckets, lambda n: reduce(n, ranks), link.overlaps)
@@ -199,34 +233,76 @@ def ddp_step(fwd, ready, bwd_end, opt, grad_bytes, cap_bytes, link, ranks, first
     if strategy in ("zero1", "zero2"):  # step my shard, then all-gather the parameters, bucket by bucket
         opt = opt / ranks
         gather = sum(link.all_gather(sum(grad_bytes[i] for i in b), ranks) for b in buckets)
-    step = fwd + after + opt + gather
-    return step, after - bwd_end + gather
+    synced = accum if strategy == "zero2" else 1  # micro-batches that communicate
+    step = (accum - 1) * (fwd + bwd_end) + (synced - 1) * (after - bwd_end) + fwd + after + opt + gather
+    return step, synced * (after - bwd_end) + gather
 
 
-def fsdp_step(fwd_units, bwd_units, unit_bytes, grad_unit_bytes, opt, link, ranks):
-    """(step seconds, exposed communication) of FSDP: units in forward order; each unit all-gathered before its
-    forward and its backward (the next prefetched while this one computes), its gradients reduce-scattered after
-    its backward, all on one communicator in issue order."""
-    comm = t = 0.0
-    for i, f in enumerate(fwd_units):  # all-gather unit i (issued as unit i-1 starts), then compute it
-        comm = max(comm, t if i == 0 else t - fwd_units[i - 1]) + link.all_gather(unit_bytes[i], ranks)
-        t = max(t, comm) + f
-    order = list(range(len(bwd_units)))[::-1]
-    for j, i in enumerate(order):
-        comm = max(comm, t if j == 0 else t - bwd_units[order[j - 1]]) + link.all_gather(unit_bytes[i], ranks)
-        t = max(t, comm) + bwd_units[i]
-        comm = max(comm, t) + link.reduce_scatter(grad_unit_bytes[i], ranks)
-    t = max(t, comm)
-    compute = sum(fwd_units) + sum(bwd_units)
+def fsdp_step(fwd_units, bwd_units, unit_bytes, grad_unit_bytes, opt, link, ranks, accum=1, prefetch=True,
+              nodes=1, trace=None):
+    """(step seconds, exposed communication) of FSDP (nodes=1) or HSDP (ranks: the shard group, one node; nodes
+    replicas). Units in forward order; one queue of the shard group's collectives, run in the order issued:
+      forward   unit i+1's all-gather is issued as unit i's forward starts (forward prefetch), so it gathers while
+                unit i computes;
+      backward  with prefetch (PyTorch's BackwardPrefetch.BACKWARD_PRE, the default) the next unit's all-gather
+                is issued as this unit's backward starts, before this unit's reduce-scatter, so both run while
+                the next units compute; without it (backward_prefetch=None) the next all-gather waits behind this
+                unit's reduce-scatter, and both are exposed;
+      HSDP      after its reduce-scatter, each unit's shard is all-reduced across the nodes, on a stream of its own
+                (the NICs, not NVLink), on the last micro-batch only (set_requires_all_reduce(False) before the
+                others: the shards accumulate locally);
+      accum     every micro-batch gathers each unit twice and reduce-scatters its gradients (FSDP keeps only
+                shards), the optimizer steps once.
+    trace, if a list, receives (kind, unit, start, end) for each computation and collective."""
+    ag = [link.all_gather(n, ranks) for n in unit_bytes]
+    rs = [link.reduce_scatter(n, ranks) for n in grad_unit_bytes]
+    ar = [link.across_nodes_all_reduce(n, nodes) if nodes > 1 else 0.0 for n in grad_unit_bytes]
+    note = trace.append if trace is not None else (lambda _: None)
+    t = queue = cross = 0.0  # when compute, the shard group's queue and the cross-node stream are free
+    n = len(fwd_units)
+
+    def issue(at, kind, unit, cost):
+        nonlocal queue
+        start = max(queue, at)
+        queue = start + cost
+        note((kind, unit, start, queue))
+        return queue
+
+    for micro in range(accum):
+        gathered = {0: issue(t, "all-gather", 0, ag[0])}
+        for i in range(n):
+            start = max(t, gathered[i])
+            if i + 1 < n:
+                gathered[i + 1] = issue(start, "all-gather", i + 1, ag[i + 1])
+            t = start + fwd_units[i]
+            note(("forward", i, start, t))
+        order = list(range(n))[::-1]
+        gathered = {order[0]: issue(t, "all-gather", order[0], ag[order[0]])}  # resharded after forward
+        for j, i in enumerate(order):
+            start = max(t, gathered[i])
+            nxt = order[j + 1] if j + 1 < n else None
+            if prefetch and nxt is not None:
+                gathered[nxt] = issue(start, "all-gather", nxt, ag[nxt])
+            t = start + bwd_units[i]
+            note(("backward", i, start, t))
+            reduced = issue(t, "reduce-scatter", i, rs[i])
+            if nodes > 1 and micro == accum - 1:
+                begin, cross = max(cross, reduced), max(cross, reduced) + ar[i]
+                note(("all-reduce", i, begin, cross))
+            if not prefetch and nxt is not None:
+                gathered[nxt] = issue(t, "all-gather", nxt, ag[nxt])
+    t = max(t, queue, cross)
+    compute = accum * (sum(fwd_units) + sum(bwd_units))
     return t + opt / ranks, t - compute
 
 
-def best_bucket(fwd, ready, bwd_end, opt, grad_bytes, link, ranks, strategy="ddp"):
+def best_bucket(fwd, ready, bwd_end, opt, grad_bytes, link, ranks, strategy="ddp", accum=1):
     """(step seconds, exposed, bucket MiB) of the fastest cap from 1/4 MiB to 1 GiB (doublings of 25 MiB): DDP's
     25 MiB unless another is faster by more than 0.5%, then the nearest to 25 MiB of the fastest."""
     best = None
     for cap_mb in sorted([25 * 2.0 ** k for k in range(-6, 6)], key=lambda c: abs(math.log(c / 25))):
-        step, exposed = ddp_step(fwd, ready, bwd_end, opt, grad_bytes, cap_mb * MIB, link, ranks, strategy=strategy)
+        step, exposed = ddp_step(fwd, ready, bwd_end, opt, grad_bytes, cap_mb * MIB, link, ranks, strategy=strategy,
+                                 accum=accum)
         if best is None or step < best[0] * 0.995:
             best = (step, exposed, cap_mb)
     return best
@@ -234,17 +310,19 @@ def best_bucket(fwd, ready, bwd_end, opt, grad_bytes, link, ranks, strategy="ddp
 
 # --- memory per rank ---
 def memory(strategy, params, ranks, param_bytes=2, grad_bytes=2, state_bytes=12, bucket_bytes=0, unit_params=0,
-           activations=0):
+           activations=0, next_unit_params=None):
     """Bytes per rank: parameters, gradients, optimizer state (state_bytes a parameter: AdamW's two moments, plus
-    fp32 master weights in mixed precision: 12 = 4 + 4 + 4), buckets, FSDP's gathered units, activations."""
+    fp32 master weights in mixed precision: 12 = 4 + 4 + 4), buckets, FSDP's gathered units (unit_params: the
+    largest, next_unit_params: the next largest, gathered beside it; default the same), activations."""
     shard = math.ceil(params / ranks)
+    next_unit_params = unit_params if next_unit_params is None else next_unit_params
     rows = {"ddp": (params * param_bytes, params * grad_bytes, params * state_bytes, 0),
             "zero1": (params * param_bytes, params * grad_bytes, shard * state_bytes, 0),
             # ZeRO-2 keeps the mean of its shard, plus full-size buckets only while they fill and travel (07)
             "zero2": (params * param_bytes, shard * grad_bytes, shard * state_bytes, bucket_bytes),
             # FSDP: shards, plus two gathered units (this one and the prefetched next) and one unit's full gradient
             "fsdp": (shard * param_bytes, shard * grad_bytes, shard * state_bytes,
-                     unit_params * (2 * param_bytes + grad_bytes))}[strategy]
+                     (unit_params + next_unit_params) * param_bytes + unit_params * grad_bytes)}[strategy]
     return dict(zip(("parameters", "gradients", "optimizer_state", "buckets_and_units"), rows),
                 activations=activations, total=sum(rows) + activations)
 
@@ -261,15 +339,15 @@ def model_shape(name):
         raise ValueError(f"--model {name}: not one of {', '.join(MODELS)}, nor a readable config.json ({e})") from None
     try:
         if "n_layer" in cfg:  # GPT-2's names
-            return dict(kind="gpt2", layers=cfg["n_layer"], d=cfg["n_embd"], vocab=cfg["vocab_size"],
-                        ctx=cfg.get("n_positions", 1024), ff=cfg.get("n_inner") or 4 * cfg["n_embd"], tied=True,
-                        name=name)
-        return dict(kind="llama", layers=cfg["num_hidden_layers"], d=cfg["hidden_size"], vocab=cfg["vocab_size"],
-                    ctx=cfg.get("max_position_embeddings", 2048), ff=cfg["intermediate_size"],
-                    tied=cfg.get("tie_word_embeddings", False),
-                    kv=cfg.get("num_key_value_heads", cfg.get("num_attention_heads")) /
-                    cfg.get("num_attention_heads", 1), name=name)
-    except (KeyError, TypeError) as e:
+            return dict(kind="gpt2", layers=cfg["n_layer"], d=cfg["n_embd"], heads=cfg.get("n_head", 1),
+                        vocab=cfg["vocab_size"], ctx=cfg.get("n_positions", 1024),
+                        ff=cfg.get("n_inner") or 4 * cfg["n_embd"], tied=True, name=name)
+        heads = cfg.get("num_attention_heads", 1)
+        return dict(kind="llama", layers=cfg["num_hidden_layers"], d=cfg["hidden_size"], heads=heads,
+                    vocab=cfg["vocab_size"], ctx=cfg.get("max_position_embeddings", 2048),
+                    ff=cfg["intermediate_size"], tied=cfg.get("tie_word_embeddings", False),
+                    kv=cfg.get("num_key_value_heads", heads) / heads, name=name)
+    except (KeyError, TypeError, ZeroDivisionError) as e:
         raise ValueError(f"--model {name}: a config.json without {e}") from None
 
 
@@ -294,17 +372,68 @@ def layer_tensors(m):
     return [layer - int(sum(mats))] + [int(x) for x in mats]  # the norms and biases, small, first
 
 
-def predict(model, gpus, gpus_per_node, hardware, strategy, batch=4, seq=None, mfu=0.4, bucket_mb=None):
-    """The step of one model on gpus GPUs: a dict with the keys `predict --json` prints."""
+CHECKPOINTING, ATTENTION, STRATEGIES = ("none", "selective", "full"), ("flash", "eager"), \
+    ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+
+
+def activation_bytes(m, seq, batch, checkpointing="none", attention="flash"):
+    """Bytes of activations one micro-batch leaves for backward, 16-bit, no tensor or sequence parallelism
+    (Korthikanti et al., 2022, "Reducing Activation Recomputation in Large Transformer Models",
+    arXiv:2205.05198, Sec. 4): a layer stores s b h (34 + 5 a s / h) bytes, where 5 a s^2 b are the attention
+    scores, their softmax and its dropout mask. Flash attention (PyTorch's scaled_dot_product_attention on A100 and
+    H100 in bf16) never stores those, nor does selective recomputation (the paper's: recompute that attention core
+    in backward): 34 s b h. Full recomputation keeps each layer's input, 2 s b h, and rebuilds one layer at a time
+    in backward. Plus the fp32 logits and their gradient, 8 s b vocab (the head is not checkpointed). 34 counts a
+    GPT layer (4h MLP, dropout); a Llama layer (SwiGLU, no dropout) stores about as much (~36 for Llama 2 7B)."""
+    s, b, h, layers = seq, batch, m["d"], m["layers"]
+    whole = 34 * s * b * h + (5 * m.get("heads", 1) * s * s * b if attention == "eager" else 0)
+    kept = {"none": whole * layers, "selective": 34 * s * b * h * layers,
+            "full": 2 * s * b * h * layers + whole}[checkpointing]
+    return kept + 8 * s * b * m["vocab"]
+
+
+def flops_per_token(m, params, seq, checkpointing="none", attention="flash"):
+    """(model FLOPs, hardware FLOPs) a token, as published MFU tables count them (PaLM, Chowdhery et al. 2022,
+    appendix B; nanoGPT; llm-foundry's benchmarking README): 6 N (N: every parameter) plus attention's
+    12 L d s (QK^T and AV, 2 s d multiply-adds each a token a layer forward, twice that backward), causal masking
+    not discounted. Hardware FLOPs add what recomputation computes again: full, one more forward (1/3 of the model
+    FLOPs: 4/3 in all, as llm-foundry's HFU counts it); selective, the attention core's forward, 4 L d s, with
+    eager attention (flash attention's backward recomputes it anyway, and published HFU leaves that out)."""
+    attention_flops = 12 * m["layers"] * m["d"] * seq
+    model = 6 * params + attention_flops
+    again = {"none": 0, "selective": attention_flops / 3 if attention == "eager" else 0, "full": model / 3}
+    return model, model + again[checkpointing]
+
+
+def predict(model, gpus, gpus_per_node=8, hardware="h100-ib", strategy="ddp", batch=4, seq=None, mfu=None,
+            bucket_mb=None, hfu=None, activation_checkpointing="none", grad_accum=1, attention="flash",
+            gpu_mem_gib=None, inter_node_gbps=None, intra_node_gbps=None, peak_tflops=None, prefetch=True):
+    """The step of one model on gpus GPUs: a dict with the keys `predict --json` prints. batch: sequences per GPU
+    per micro-batch; grad_accum micro-batches a step. mfu (model FLOPs) or hfu (hardware FLOPs, recompute
+    included): the rate of the compute, as a fraction of the peak; neither: hfu 0.4. The hardware: a HARDWARE
+    name, its figures replaced by those given (GB/s per node each direction across nodes, per GPU within)."""
     m = model_shape(model) if isinstance(model, str) else model
-    hw, seq = HARDWARE[hardware], seq or m["ctx"]
-    link = Link.from_profile(hardware, gpus_per_node)
+    if mfu is not None and hfu is not None:
+        raise ValueError("--mfu and --hfu: give one (--mfu counts the model's FLOPs, --hfu those recomputed too)")
+    if strategy == "hsdp" and gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ValueError(f"hsdp: --gpus {gpus} is not a whole number of nodes of {gpus_per_node}")
+    hw = dict(HARDWARE[hardware])
+    for key, value in (("intra_busbw", intra_node_gbps), ("inter_busbw", inter_node_gbps),
+                       ("memory_gib", gpu_mem_gib), ("peak_tflops", peak_tflops)):
+        if value is not None:
+            hw[key] = float(value)
+    seq = seq or m["ctx"]
+    link = Link.from_profile(hw, gpus_per_node)
     layer, outer = layer_params(m)
     params = m["layers"] * layer + outer
-    tokens = batch * seq  # per GPU per step
-    flops = (6 * params + 12 * m["layers"] * m["d"] * seq) * tokens
-    compute = flops / (hw["peak_tflops"] * 1e12 * mfu)
-    fwd, bwd = compute / 3, 2 * compute / 3
+    tokens = batch * seq  # per GPU per micro-batch
+    model_flops, hw_flops = flops_per_token(m, params, seq, activation_checkpointing, attention)
+    if mfu is None and hfu is None:
+        hfu = 0.4
+    peak = hw["peak_tflops"] * 1e12
+    compute = tokens * (model_flops / (peak * mfu) if mfu is not None else hw_flops / (peak * hfu))
+    fwd = compute * model_flops / 3 / hw_flops  # backward: twice the forward, plus what is recomputed
+    bwd = compute - fwd
     # The optimizer reads and writes ~16+12 bytes a parameter (fp32 master, moments, bf16 copy) at ~2 TB/s.
     opt = params * 28 / 2e12
     # Backward from the head to the embeddings: each weight's gradient ready when its share of backward (its
@@ -315,26 +444,38 @@ def predict(model, gpus, gpus_per_node, hardware, strategy, batch=4, seq=None, m
         t += n / params * bwd
         ready.append(t)
         grads.append(2 * n)
-    acts = m["layers"] * 34 * seq * batch * m["d"] + 8 * seq * batch * m["vocab"]
-    if strategy == "fsdp":
+    acts = activation_bytes(m, seq, batch, activation_checkpointing, attention)
+    if strategy in ("fsdp", "hsdp"):
+        # HSDP: a shard group per node, replicas across nodes (one node or less: FSDP)
+        shard = min(gpus, gpus_per_node) if strategy == "hsdp" else gpus
         units = [outer] + [layer] * m["layers"]  # the root (embeddings, head) first, then each block
         fwd_u = [fwd * u / params for u in units]
         bwd_u = [bwd * u / params for u in units]
-        step, exposed = fsdp_step(fwd_u, bwd_u, [2 * u for u in units], [2 * u for u in units], opt, link, gpus)
+        step, exposed = fsdp_step(fwd_u, bwd_u, [2 * u for u in units], [2 * u for u in units], opt, link, shard,
+                                  grad_accum, prefetch, gpus // shard)
         best_mb = None
-        mem = memory("fsdp", params, gpus, unit_params=max(layer, outer), activations=acts)
+        big = sorted(units)[-2:] if len(units) > 1 else units * 2
+        mem = memory("fsdp", params, shard, unit_params=big[-1], next_unit_params=big[0], activations=acts)
     else:
         if bucket_mb:
-            step, exposed = ddp_step(fwd, ready, bwd, opt, grads, bucket_mb * MIB, link, gpus, strategy=strategy)
+            step, exposed = ddp_step(fwd, ready, bwd, opt, grads, bucket_mb * MIB, link, gpus, strategy=strategy,
+                                     accum=grad_accum)
             best_mb = bucket_mb
         else:
-            step, exposed, best_mb = best_bucket(fwd, ready, bwd, opt, grads, link, gpus, strategy)
+            step, exposed, best_mb = best_bucket(fwd, ready, bwd, opt, grads, link, gpus, strategy, grad_accum)
         mem = memory(strategy, params, gpus, bucket_bytes=(best_mb or 25) * MIB, activations=acts)
-    gib = mem["total"] / GIB
+    per_gpu = tokens * grad_accum / step
     # Scaling efficiency as ddp_step.py measures it: the same per-rank work without communication, over the step
-    return dict(step_ms=step * 1e3, tokens_per_s=tokens * gpus / step, scaling_efficiency=(step - exposed) / step,
-                memory_gib_per_gpu=gib, fits=mem["total"] <= hw["memory_gb"] * GB, best_bucket_mb=best_mb,
-                exposed_comm_ms=exposed * 1e3, params=params, memory_bytes=mem)
+    return dict(step_ms=step * 1e3, tokens_per_s=per_gpu * gpus, tokens_per_s_per_gpu=per_gpu,
+                scaling_efficiency=(step - exposed) / step, memory_gib_per_gpu=mem["total"] / GIB,
+                fits=mem["total"] <= hw["memory_gib"] * GIB, gpu_mem_gib=hw["memory_gib"], best_bucket_mb=best_mb,
+                exposed_comm_ms=exposed * 1e3, params=params, memory_bytes=mem,
+                utilization="mfu" if mfu is not None else "hfu",
+                mfu=mfu if mfu is not None else hfu * model_flops / hw_flops,
+                hfu=hfu if hfu is not None else mfu * hw_flops / model_flops,
+                achieved_mfu=per_gpu * model_flops / peak, flops_per_token=model_flops,
+                hardware_flops_per_token=hw_flops, activation_checkpointing=activation_checkpointing,
+                attention=attention, grad_accum=grad_accum, global_batch_tokens=tokens * grad_accum * gpus)
 
 
 def zero_table(params=7.5e9, degrees=(1, 4, 16, 64, 256, 1024)):
@@ -582,21 +723,39 @@ def collective_main(args):
           f"{ms:.3f} ms")
 
 
+JSON_KEYS = ("step_ms", "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "exposed_comm_ms",
+             "memory_gib_per_gpu", "gpu_mem_gib", "fits", "best_bucket_mb", "utilization", "mfu", "hfu",
+             "achieved_mfu", "flops_per_token", "hardware_flops_per_token", "activation_checkpointing", "attention",
+             "grad_accum", "global_batch_tokens", "params")
+
+
 def predict_main(args):
-    out = predict(args.model, args.gpus, args.gpus_per_node, args.hardware, args.strategy, args.batch_size,
-                  args.seq_len, args.mfu, args.bucket_mb)
-    keys = ("step_ms", "tokens_per_s", "scaling_efficiency", "memory_gib_per_gpu", "fits", "best_bucket_mb")
+    try:
+        out = predict(args.model, args.gpus, args.gpus_per_node, args.hardware, args.strategy, args.batch_size,
+                      args.seq_len, args.mfu, args.bucket_mb, args.hfu, args.activation_checkpointing,
+                      args.grad_accum, args.attention, args.gpu_mem_gib, args.inter_node_gbps, args.intra_node_gbps,
+                      args.peak_tflops)
+    except ValueError as e:  # parse() catches these first; a direct caller of predict() gets the exception
+        sys.exit(print(f"error: {e}", file=sys.stderr) or 2)
     if args.json:
-        print(json.dumps({k: out[k] for k in keys}))
+        print(json.dumps({k: out[k] for k in JSON_KEYS}))
         return
     mem = out["memory_bytes"]
+    given = out["utilization"]
+    seq = args.seq_len or model_shape(args.model)["ctx"]
     print(f"{args.model} ({out['params'] / 1e9:.2f}B parameters), {args.strategy}, {args.gpus} GPUs "
-          f"({args.gpus_per_node} per node), {args.hardware}:")
-    print(f"  step {out['step_ms']:.1f} ms, {out['tokens_per_s']:,.0f} tokens/s, scaling efficiency "
-          f"{out['scaling_efficiency']:.2f} (exposed communication {out['exposed_comm_ms']:.1f} ms)")
+          f"({args.gpus_per_node} per node), {args.hardware}, {args.batch_size} x {seq} tokens a micro-batch, "
+          f"{args.grad_accum} a step, checkpointing {args.activation_checkpointing}:")
+    print(f"  step {out['step_ms']:.1f} ms, {out['tokens_per_s']:,.0f} tokens/s ({out['tokens_per_s_per_gpu']:,.0f} "
+          f"a GPU), scaling efficiency {out['scaling_efficiency']:.2f} (exposed communication "
+          f"{out['exposed_comm_ms']:.1f} ms)")
+    print(f"  compute at {given.upper()} {out[given]:.3f} (so {'HFU' if given == 'mfu' else 'MFU'} "
+          f"{out['hfu' if given == 'mfu' else 'mfu']:.3f}); {out['flops_per_token'] / 1e9:.2f} GFLOPs a token for the "
+          f"model, {out['hardware_flops_per_token'] / 1e9:.2f} computed; MFU of the whole step "
+          f"{out['achieved_mfu']:.3f}")
     print(f"  memory per GPU {out['memory_gib_per_gpu']:.1f} GiB: " + ", ".join(
         f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in mem.items() if k != "total") +
-        f" -> {'fits' if out['fits'] else 'does NOT fit'} in {HARDWARE[args.hardware]['memory_gb']:.0f} GB")
+        f" -> {'fits' if out['fits'] else 'does NOT fit'} in {out['gpu_mem_gib']:g} GiB")
     if out["best_bucket_mb"]:
         print(f"  best bucket size: {out['best_bucket_mb']} MiB")
 
@@ -618,6 +777,13 @@ def positive(kind):
             raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
         return x
     return parse
+
+
+def fraction(text):
+    x = positive(float)(text)
+    if x > 1:
+        raise argparse.ArgumentTypeError(f"a fraction of the peak, 0 < x <= 1 (0.45 for 45%), got {text!r}")
+    return x
 
 
 class Parser(argparse.ArgumentParser):
@@ -643,12 +809,28 @@ def parse(argv=None):
     q.add_argument("--model", required=True, help=f"{'|'.join(MODELS)} or a Hugging Face config.json")
     q.add_argument("--gpus", type=positive(int), required=True)
     q.add_argument("--gpus-per-node", type=positive(int), default=8)
-    q.add_argument("--hardware", choices=list(HARDWARE), default="h100-ib")
-    q.add_argument("--strategy", choices=["ddp", "zero1", "zero2", "fsdp"], default="ddp")
-    q.add_argument("--batch-size", type=positive(int), default=4, help="sequences per GPU per step")
+    q.add_argument("--hardware", choices=list(HARDWARE), default="h100-ib",
+                   help="a named profile: the defaults of the four figures below")
+    q.add_argument("--gpu-mem-gib", type=positive(float), default=None, help="each GPU's memory (profile: 80)")
+    q.add_argument("--inter-node-gbps", type=positive(float), default=None,
+                   help="GB/s per node across nodes, each direction: all of a node's NICs (8 x 400 Gb/s = 400)")
+    q.add_argument("--intra-node-gbps", type=positive(float), default=None,
+                   help="GB/s per GPU within a node, each direction (NVLink: 450 on H100, 300 on A100)")
+    q.add_argument("--peak-tflops", type=positive(float), default=None, help="each GPU's dense bf16 peak")
+    q.add_argument("--strategy", choices=list(STRATEGIES), default="ddp",
+                   help="hsdp: FSDP within each node, the shards all-reduced across nodes")
+    q.add_argument("--batch-size", type=positive(int), default=4, help="sequences per GPU per micro-batch")
+    q.add_argument("--grad-accum", type=positive(int), default=1, help="micro-batches per optimizer step")
     q.add_argument("--seq-len", type=positive(int), default=None, help="default: the model's context")
-    q.add_argument("--mfu", type=positive(float), default=0.4, help="fraction of peak FLOPs the compute reaches")
-    q.add_argument("--bucket-mb", type=positive(float), default=None, help="default: the best one")
+    q.add_argument("--activation-checkpointing", choices=list(CHECKPOINTING), default="none")
+    q.add_argument("--attention", choices=list(ATTENTION), default="flash",
+                   help="flash: scores never stored (SDPA's kernels); eager: stored unless recomputed")
+    u = q.add_mutually_exclusive_group()
+    u.add_argument("--mfu", type=fraction, default=None,
+                   help="the compute's rate as model FLOPs over peak (recompute not counted), a published MFU")
+    u.add_argument("--hfu", type=fraction, default=None,
+                   help="... or as hardware FLOPs over peak (recompute counted); neither: --hfu 0.4")
+    q.add_argument("--bucket-mb", type=positive(float), default=None, help="DDP/ZeRO buckets; default: the best")
     q.add_argument("--json", action="store_true")
     k = sub.add_parser("check", help="predictions against measurements here (under torchrun)")
     k.add_argument("--sizes", type=positive(int), nargs="+", default=[1 << 20, 16 << 20],
@@ -672,6 +854,8 @@ def parse(argv=None):
             p.error(str(e))
         if a.gpus % a.gpus_per_node and a.gpus > a.gpus_per_node:
             p.error(f"--gpus {a.gpus} is not a multiple of --gpus-per-node {a.gpus_per_node}")
+        if a.bucket_mb and a.strategy in ("fsdp", "hsdp"):
+            p.error(f"--bucket-mb: {a.strategy} communicates a unit (a layer) at a time, not in buckets")
     if a.command == "collective" and a.calibration and not os.path.isfile(a.calibration):
         p.error(f"--calibration {a.calibration}: no such file (write one with `fit`)")
     return a

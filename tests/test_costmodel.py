@@ -9,7 +9,10 @@ import pytest
 
 import launch
 
-KEYS = {"step_ms", "tokens_per_s", "scaling_efficiency", "memory_gib_per_gpu", "fits", "best_bucket_mb"}
+KEYS = {"step_ms", "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "exposed_comm_ms",
+        "memory_gib_per_gpu", "gpu_mem_gib", "fits", "best_bucket_mb", "utilization", "mfu", "hfu", "achieved_mfu",
+        "flops_per_token", "hardware_flops_per_token", "activation_checkpointing", "attention", "grad_accum",
+        "global_batch_tokens", "params"}
 
 
 def costmodel():
