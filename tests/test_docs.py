@@ -77,7 +77,7 @@ def test_every_relative_link_and_anchor_resolves(page):
             broken.append(f"{target}: no such file")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target}: no heading or id '{anchor}' in {dest.relative_to(REPO)}")
-    assert not broken, f"{page.relative_to(REPO)}:\n  " + "\n  ".join(broken)
+    assert not broken, f"{page.relative_to(REPO)}:\n  " + "\n  ".join(dict.fromkeys(broken))
 
 
 def test_slug_follows_githubs_rule():
