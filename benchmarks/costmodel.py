@@ -407,11 +407,13 @@ def flops_per_token(m, params, seq, checkpointing="none", attention="flash"):
 
 def predict(model, gpus, gpus_per_node=8, hardware="h100-ib", strategy="ddp", batch=4, seq=None, mfu=None,
             bucket_mb=None, hfu=None, activation_checkpointing="none", grad_accum=1, attention="flash",
-            gpu_mem_gib=None, inter_node_gbps=None, intra_node_gbps=None, peak_tflops=None, prefetch=True):
+            gpu_mem_gib=None, inter_node_gbps=None, intra_node_gbps=None, peak_tflops=None, prefetch=True,
+            trace=None):
     """The step of one model on gpus GPUs: a dict with the keys `predict --json` prints. batch: sequences per GPU
     per micro-batch; grad_accum micro-batches a step. mfu (model FLOPs) or hfu (hardware FLOPs, recompute
     included): the rate of the compute, as a fraction of the peak; neither: hfu 0.4. The hardware: a HARDWARE
-    name, its figures replaced by those given (GB/s per node each direction across nodes, per GPU within)."""
+    name, its figures replaced by those given (GB/s per node each direction across nodes, per GPU within).
+    prefetch=False: FSDP without backward prefetch; trace: a list for FSDP's timeline (fsdp_step)."""
     m = model_shape(model) if isinstance(model, str) else model
     if mfu is not None and hfu is not None:
         raise ValueError("--mfu and --hfu: give one (--mfu counts the model's FLOPs, --hfu those recomputed too)")
@@ -452,7 +454,7 @@ def predict(model, gpus, gpus_per_node=8, hardware="h100-ib", strategy="ddp", ba
         fwd_u = [fwd * u / params for u in units]
         bwd_u = [bwd * u / params for u in units]
         step, exposed = fsdp_step(fwd_u, bwd_u, [2 * u for u in units], [2 * u for u in units], opt, link, shard,
-                                  grad_accum, prefetch, gpus // shard)
+                                  grad_accum, prefetch, gpus // shard, trace)
         best_mb = None
         big = sorted(units)[-2:] if len(units) > 1 else units * 2
         mem = memory("fsdp", params, shard, unit_params=big[-1], next_unit_params=big[0], activations=acts)

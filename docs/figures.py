@@ -1,6 +1,6 @@
 """The README's figures, each drawn from a real run on the machine that runs this.
 
-  python docs/figures.py                      # all five into docs/ (about 5 minutes on a 2-core CPU)
+  python docs/figures.py                      # all six into docs/ (about 5 minutes on a 2-core CPU)
   python docs/figures.py ring curves          # some of them
   python docs/figures.py ring --quick --out /tmp/figs   # smaller runs (the test suite's check)
 
@@ -10,7 +10,8 @@
            08's FSDP and PyTorch's fully_shard (08), from the scripts' own tables
   curves   05's loss with --impl naive, manual and torch: one curve, three times
   scaling  benchmarks/costmodel.py's predictions (no run): scaling efficiency and memory per GPU, 8 to 1,024 GPUs,
-           GPT-2, GPT-2 XL and a 7B Llama under DDP, ZeRO-1, ZeRO-2 and FSDP, and where each fits in 80 GB
+           GPT-2, GPT-2 XL and a 7B Llama under DDP, ZeRO-1, ZeRO-2, FSDP and HSDP, and where each fits in 80 GiB
+  fsdp     benchmarks/costmodel.py's FSDP step event by event (no run), with PyTorch's backward prefetch and without
 
 Each PNG carries its caption (the command, the machine, the torch version) under the plot and, for tools, in its
 PNG text fields (Title, Description: the axes and the series drawn).
@@ -180,7 +181,8 @@ def scaling(out, quick):
     spec.loader.exec_module(cm)
     plt = pyplot()
     gpus = [8, 64, 1024] if quick else [8, 16, 32, 64, 128, 256, 512, 1024]
-    models, styles = ("gpt2", "gpt2-xl", "llama-7b"), {"ddp": "-", "zero1": "--", "zero2": "-.", "fsdp": ":"}
+    models = ("gpt2", "gpt2-xl", "llama-7b")
+    styles = {"ddp": "-", "zero1": "--", "zero2": "-.", "fsdp": ":", "hsdp": (0, (6, 1, 1, 1, 1, 1))}
     fig, axes = plt.subplots(1, 3, figsize=(13, 5.2))
     series = []
     for model, color in zip(models, ("C0", "C1", "C2")):
@@ -191,31 +193,70 @@ def scaling(out, quick):
                                 (axes[2], "h100-ib", "memory_gib_per_gpu")):
                 rows = [cm.predict(model, n, 8, hw, strategy) for n in gpus]
                 ys = [r[key] for r in rows]
-                ax.plot(gpus, ys, style, color=color, label=label if ax is axes[2] else None)
-                # a filled marker where it fits in 80 GB, a cross where it does not
+                ax.plot(gpus, ys, linestyle=style, color=color, label=label if ax is axes[2] else None)
+                # a filled marker where it fits in 80 GiB, a cross where it does not
                 ax.scatter([n for n, r in zip(gpus, rows) if r["fits"]], [y for y, r in zip(ys, rows) if r["fits"]],
                            color=color, s=10)
                 ax.scatter([n for n, r in zip(gpus, rows) if not r["fits"]],
                            [y for y, r in zip(ys, rows) if not r["fits"]], color=color, marker="x", s=30)
     for ax, title in ((axes[0], "scaling efficiency, h100-ib (8 x 400 Gb/s IB a node)"),
                       (axes[1], "scaling efficiency, 100gbe (one 100 Gb/s port a node)"),
-                      (axes[2], "memory per GPU (GiB); x: does not fit 80 GB")):
+                      (axes[2], "memory per GPU (GiB); x: does not fit 80 GiB")):
         ax.set(xscale="log", xlabel="GPUs (8 per node)", title=title)
         ax.set_xticks(gpus, [str(n) for n in gpus], fontsize=7)
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3)
     axes[0].set_ylim(0, 1.02)
     axes[1].set_ylim(0, 1.02)
-    axes[2].axhline(80e9 / 2**30, color="k", linewidth=0.8)
+    axes[2].axhline(80, color="k", linewidth=0.8)
     axes[2].set_yscale("log")
-    fig.legend(*axes[2].get_legend_handles_labels(), fontsize=7, ncol=6, loc="lower center", bbox_to_anchor=(0.5, 0.1))
+    fig.legend(*axes[2].get_legend_handles_labels(), fontsize=7, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 0.08))
     fig.suptitle("Predicted by benchmarks/costmodel.py: bf16 + AdamW, 4 x context tokens per GPU, 40% of peak FLOPs")
     fig.subplots_adjust(bottom=0.34, top=0.85, wspace=0.25)
     save(fig, out / "costmodel_scaling.png", "Scaling efficiency and memory per GPU, predicted",
          "python docs/figures.py scaling", "GPUs / scaling efficiency (h100-ib, 100gbe), memory per GPU GiB", series)
 
 
-FIGURES = {"ring": ring, "overlap": overlap, "memory": memory, "curves": curves, "scaling": scaling}
+def fsdp(out, quick):
+    """benchmarks/costmodel.py's FSDP step, event by event: six layers of a 13B model (MPT-13B's, 40 in all) on
+    one node of 8 H100s, one sequence of 2048 tokens a GPU at 40% of peak, with PyTorch's backward prefetch and
+    without it."""
+    spec = importlib.util.spec_from_file_location("costmodel", REPO / "benchmarks" / "costmodel.py")
+    cm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cm)
+    plt = pyplot()
+    shape = dict(cm.model_shape("mpt-13b"), layers=6)
+    fig, axes = plt.subplots(2, 1, figsize=(11, 5.6), sharex=True)
+    colors = {"forward": "C0", "backward": "C1", "all-gather": "C2", "reduce-scatter": "C3"}
+    for ax, prefetch in zip(axes, (False, True)):
+        trace = []
+        run = cm.predict(shape, 8, 8, "h100-nvlink", "fsdp", batch=1, seq=2048, mfu=0.4, prefetch=prefetch,
+                         trace=trace)
+        for kind, unit, start, end in trace:
+            row = 0 if kind in ("forward", "backward") else 1
+            ax.barh(row, (end - start) * 1e3, left=start * 1e3, height=0.6, color=colors[kind], edgecolor="white")
+            if end - start > 0.0015:
+                ax.text((start + end) / 2 * 1e3, row, "E" if unit == 0 else str(unit), ha="center", va="center",
+                        fontsize=7, color="white")
+        ax.set_yticks([0, 1], ["compute", "collectives\n(one queue)"])
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_title(("BackwardPrefetch.BACKWARD_PRE (the default): the next all-gather before this reduce-scatter"
+                      if prefetch else "backward_prefetch=None: each all-gather waits behind the reduce-scatter")
+                     + f"\nstep {run['step_ms']:.1f} ms, communication exposed {run['exposed_comm_ms']:.1f} ms",
+                     fontsize=9)
+    axes[1].set_xlabel("ms from the start of the step (predicted, no run)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.legend(handles, list(colors), ncol=4, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 0.06))
+    fig.suptitle("FSDP's step in benchmarks/costmodel.py: 6 layers of a 13B model, 8 H100s, 1 x 2048 tokens a GPU "
+                 "(E: embeddings and head)", fontsize=10)
+    fig.subplots_adjust(left=0.12, right=0.98, bottom=0.25, top=0.86, hspace=0.5)
+    save(fig, out / "fsdp_timeline.png", "FSDP's step with and without backward prefetch, predicted",
+         "python docs/figures.py fsdp", "ms from the step's start / compute and collectives",
+         ["forward", "backward", "all-gather", "reduce-scatter", "backward_prefetch=None", "BACKWARD_PRE"])
+
+
+FIGURES = {"ring": ring, "overlap": overlap, "memory": memory, "curves": curves, "scaling": scaling, "fsdp": fsdp}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
