@@ -767,14 +767,13 @@ class Parser(argparse.ArgumentParser):  # the flags every script shares; a bad f
 def setup(args):  # choose the device, then join the group; returns the device
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never asks CUDA
-    per_rank = gpus >= local_world  # a GPU for every rank on this node: CUDA and NCCL (the local rank picks it)
-    on_gpu = per_rank or args.device == "cuda"  # fewer GPUs: the CPU, or with --device cuda the ranks share them
-    backend = args.backend or ("nccl" if per_rank else "gloo")  # NCCL cannot share a GPU between ranks; gloo can
-    if (on_gpu and gpus == 0) or (backend == "nccl" and not per_rank):
+    per_rank = gpus >= local_world  # a GPU for each rank on this node; fewer: the CPU, or shared with --device cuda
+    backend = args.backend or ("nccl" if per_rank else "gloo")  # gloo can share a GPU between ranks; NCCL cannot
+    if (args.device == "cuda" and gpus == 0) or (backend == "nccl" and not per_rank):
         raise UsageError(f"--device {args.device} --backend {backend}: {gpus} CUDA GPU(s) for {local_world} ranks")
-    device = torch.device("cuda", local_rank % gpus) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        torch.cuda.set_device(device)  # before init, so that NCCL binds this rank to its GPU
+    device = torch.device("cuda", local_rank % gpus) if per_rank or args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":  # before init, so that NCCL binds this rank to its GPU
+        torch.cuda.set_device(device)
     print0(f"device: {device.type}, {backend} (--device {args.device}, {gpus} GPU(s) for {local_world} ranks/node)")
     alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # plain `python`
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s), **alone)
@@ -787,12 +786,12 @@ def run(main, parse_args):
     except UsageError as e:  # every rank stops alike, exit 2; rank 0 says why
         print0(f"error: {e}")
         os._exit(2)  # at once: tearing down a group that is up can abort in gloo's threads at exit (SIGABRT)
-    except RuntimeError as e:  # a peer died, or a collective outlived --timeout-s: one line per rank, exit 1
+    except RuntimeError as e:  # a peer died or a collective outlived --timeout-s (gloo's are plain RuntimeErrors)
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):
             raise  # a bug in the script keeps its traceback
         log(f"error: a peer died or timed out: {str(e).strip().splitlines()[0][:200]}")
         os._exit(1)  # no teardown: it would wait for the dead peer
-    dist.destroy_process_group()  # main() always joins the group first (setup)
+    dist.destroy_process_group()  # main() always joins the group first
     time.sleep(0.05)  # gloo's threads drop their last tensors before the interpreter ends (else SIGABRT)
 
 
