@@ -1,7 +1,12 @@
-"""notebooks/: every notebook runs headless (nbclient) on 2 and 3 ranks, fails when a rank fails, and leaves no rank
-process behind, also after its kernel is killed (issue #37). Each runs in a fresh IPython directory."""
+"""notebooks/: every notebook runs headless (nbclient) on 2 and 3 ranks and fails when a rank fails; a reader's
+sitting (their own code graded, a mistake, Stop, ranks.reset()) costs one cell, not the notebook; and no rank
+process, cluster file or private profile outlives the kernel by more than 2 s, whether it is shut down or killed
+(issues #37, #45). Each kernel runs in a fresh IPython directory and temporary directory."""
 
+import ast
+import glob
 import os
+import re
 import signal
 import sys
 import time
@@ -16,6 +21,8 @@ from conftest import REPO
 pytest.importorskip("ipyparallel")
 pytest.importorskip("nbclient")
 NOTEBOOKS = sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb"))
+SOLUTIONS = REPO / "tests" / "exercise_solutions"
+GONE_S = 2  # the bound: nothing of a notebook's ranks 2 s after its kernel is gone
 sys.path.insert(0, str(REPO / "notebooks"))
 
 
@@ -33,11 +40,16 @@ def rank_processes(ipython_dir):
     return found
 
 
-def none_left(ipython_dir, within_s=20):
+def none_left(ipython_dir, within_s=GONE_S):
     deadline = time.time() + within_s
     while rank_processes(ipython_dir) and time.time() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.05)
     return rank_processes(ipython_dir)
+
+
+def files_left(ipython_dir, tmp_dir):
+    """Cluster files in the IPython directory, and ranks.py's private profiles in the temporary directory."""
+    return glob.glob(f"{ipython_dir}/**/*.json", recursive=True) + glob.glob(f"{tmp_dir}/ranks-profile-*")
 
 
 def reap(ipython_dir):
@@ -48,24 +60,82 @@ def reap(ipython_dir):
     return left
 
 
-@pytest.fixture
-def fresh_ipython(tmp_path, monkeypatch):
-    path = tmp_path / "ipython"
-    monkeypatch.setenv("IPYTHONDIR", str(path))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    yield path
-    left = reap(path)
-    assert not left, f"rank processes outlived the notebook: {left}"
+def kernel_env(root):
+    """A kernel's world: its own IPython and temporary directories under root."""
+    (root / "tmp").mkdir(parents=True, exist_ok=True)
+    return launch.make_env(IPYTHONDIR=root / "ipython", TMPDIR=root / "tmp")
 
 
+def cells(name):
+    import nbformat
+    return nbformat.read(REPO / "notebooks" / name, as_version=4).cells
+
+
+def your_turn(name):
+    """The notebook's "Your turn" stub (a %%px cell raising NotImplementedError) and its check cell."""
+    code = [c.source for c in cells(name) if c.cell_type == "code"]
+    stub = next(s for s in code if s.startswith("%%px") and "raise NotImplementedError" in s)
+    check = next(s for s in code if s.startswith("ranks.check("))
+    return stub, check
+
+
+# --- what is committed ---
+def test_committed_notebooks_show_the_scripts_have_a_your_turn_and_no_machine_paths():
+    import nbformat
+    assert len(NOTEBOOKS) >= 3, NOTEBOOKS
+    for name in NOTEBOOKS:
+        nb = nbformat.read(REPO / "notebooks" / name, as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        ran = code and all(c.execution_count for c in code)  # every cell run (those that only define print nothing)
+        assert ran and all(c.outputs for c in code if "print(" in c.source), f"{name}: run `python notebooks/run.py`"
+        raw = (REPO / "notebooks" / name).read_text()
+        assert str(REPO) not in raw and os.path.expanduser("~") + "/" not in raw, f"{name} holds a machine path"
+        assert "/tmp/" not in raw, f"{name} holds a temporary path"
+        assert 'os.environ.get("NOTEBOOK_RANKS"' in code[0].source, f"{name}: the first cell sets the ranks"
+        assert nb.cells[-1].cell_type == "markdown" and nb.cells[-1].source.count("?") >= 3, f"{name}: 3 questions"
+        for before, cell in zip(nb.cells, nb.cells[1:]):
+            if cell.cell_type == "code":
+                assert before.cell_type == "markdown", f"{name}: no markdown before\n{cell.source[:200]}"
+                assert len(cell.source.splitlines()) <= 25, f"{name}: a cell of over 25 lines\n{cell.source[:200]}"
+        text = [c.source for c in nb.cells if c.cell_type == "markdown"]
+        stub, check = your_turn(name)
+        assert any(t.startswith("## When a cell hangs") and "ranks.reset()" in t for t in text), name
+        assert any(t.startswith("## Your turn") for t in text), name
+        said = "".join(o.get("text", "") for c in code if c.source == check for o in c.outputs)
+        assert "not written yet" in said and "--solution" in said, f"{name}: the check's committed output\n{said}"
+        # Each piece shown comes from a script by name (ranks.show), and that name is still defined there.
+        shows = [c for c in code if c.source.startswith("ranks.show(")]
+        assert len(shows) >= 2, f"{name}: the mechanism's code is shown before it runs"
+        for c in shows:
+            script, *names = ast.literal_eval(c.source[len("ranks.show"):])
+            for qualname in names:
+                assert defined(REPO / script, qualname), f"{name}: {script} defines no {qualname}"
+            shown = "".join(o.get("data", {}).get("text/markdown", "") for o in c.outputs)
+            assert shown.count("```python") == len(names), f"{name}: {c.source} has no rendered code"
+
+
+def defined(path, qualname):
+    """True if the file defines qualname ("f", "Class.method") at its top level."""
+    scope = ast.parse(path.read_text()).body
+    for part in qualname.split("."):
+        node = next((n for n in scope if getattr(n, "name", None) == part), None)
+        if node is None:
+            return False
+        scope = getattr(node, "body", [])
+    return True
+
+
+# --- top to bottom, headless ---
 EXECUTE = """
-import sys
+import sys, time
 sys.path.insert(0, "notebooks")
+sys.path.insert(0, "tests")
 import run
+from test_notebooks import none_left
 nb = run.execute(run.HERE / sys.argv[1], int(sys.argv[2]))
+t0 = time.time()  # nbclient has shut the kernel down, in order (a shutdown request, as a closed notebook's)
+left = none_left(sys.argv[3], within_s=10)
+print(f"rank processes left {time.time() - t0:.2f} s after the kernel's shutdown: {left}")
 # %%px shows each rank's output as display data ("[stdout:r] ..."), the kernel's own as a stream
 outputs = [o for c in nb.cells for o in c.get("outputs", [])]
 print("\\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in outputs))
@@ -76,68 +146,141 @@ print("\\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_top_to_bottom_on_2_and_3_ranks(name, tmp_path):
     """Every cell on every rank; the notebooks assert their own claims (bit-equality, identical replicas) in the
-    ranks, so a claim that does not hold fails its cell, and with it this test. The two runs go side by side, each
-    kernel with its own IPython directory: much of a run is waiting on the engines' start."""
+    ranks, so a claim that does not hold fails its cell, and with it this test. The check of the untouched "Your
+    turn" stub says it is not written yet. After the kernel's shutdown its ranks are gone within 2 s, and no
+    cluster file or profile is left. The two runs go side by side, each kernel with its own IPython directory: much
+    of a run is waiting on the engines' start."""
     def execute(ranks):
-        env = launch.make_env(IPYTHONDIR=tmp_path / f"ipython{ranks}")
-        return launch.run([sys.executable, "-c", EXECUTE, name, str(ranks)], timeout=600, env=env)
+        env = kernel_env(tmp_path / str(ranks))
+        return launch.run([sys.executable, "-c", EXECUTE, name, str(ranks), env["IPYTHONDIR"]], timeout=600, env=env)
 
     with ThreadPoolExecutor(2) as pool:
         runs = dict(zip([2, 3], pool.map(execute, [2, 3])))
     for ranks, res in runs.items():
-        left = reap(tmp_path / f"ipython{ranks}")
+        root = tmp_path / str(ranks)
+        left = reap(root / "ipython")
         assert not res.timed_out and res.returncode == 0, f"{ranks} ranks\n{res.output[-6000:]}"
         assert f"{ranks} ranks joined one group" in res.output, res.output[-6000:]
         assert all(f"[stdout:{r}]" in res.output for r in range(ranks)), "every rank's output appears under its cell"
+        assert "not written yet" in res.output, res.output[-3000:]
+        gone = re.search(r"rank processes left ([\d.]+) s after the kernel's shutdown: \[\]", res.output)
+        assert gone and float(gone.group(1)) <= GONE_S, f"{ranks} ranks: {res.output[:3000]}"
         assert not left, f"rank processes outlived the notebook on {ranks} ranks: {left}"
+        assert not files_left(root / "ipython", root / "tmp"), files_left(root / "ipython", root / "tmp")
 
 
-def test_committed_notebooks_have_outputs_and_no_machine_paths():
-    import nbformat
-    assert len(NOTEBOOKS) >= 3, NOTEBOOKS
-    for name in NOTEBOOKS:
-        nb = nbformat.read(REPO / "notebooks" / name, as_version=4)
-        code = [c for c in nb.cells if c.cell_type == "code"]
-        assert code and all(c.outputs for c in code if c.source.strip()), f"{name}: run `python notebooks/run.py`"
-        raw = (REPO / "notebooks" / name).read_text()
-        assert str(REPO) not in raw and os.path.expanduser("~") + "/" not in raw, f"{name} holds a machine path"
-        assert 'os.environ.get("NOTEBOOK_RANKS"' in code[0].source, f"{name}: the first cell sets the ranks"
-        assert nb.cells[-1].cell_type == "markdown" and nb.cells[-1].source.count("?") >= 3, f"{name}: 3 questions"
+# --- a reader's sitting: their code, their mistakes, Stop, ranks.reset(), a killed kernel ---
+WRONG = {  # a planted mistake in each notebook's exercise, and the words the check must say about it
+    "01_primitives.ipynb": ("%%px\nimport torch.distributed as dist\n\n\ndef ring_all_reduce(tensor):\n"
+                            "    dist.all_reduce(tensor)\n    return tensor", "build it from point-to-point messages"),
+    "02_ddp.ipynb": ("%%px\n" + (SOLUTIONS / "ddp_naive.py").read_text().replace("p.grad /= world", "pass"),
+                     "summed, not averaged"),
+    "03_sharding.ipynb": ("%%px\n" + (SOLUTIONS / "zero1.py").read_text().replace(
+        "all_gather(self.flat, self.shard.detach().clone())", "pass"), "all-gather the updated shards"),
+}
+RIGHT = {"01_primitives.ipynb": "ring_all_reduce.py", "02_ddp.ipynb": "ddp_naive.py", "03_sharding.ipynb": "zero1.py"}
 
 
-@pytest.mark.slow  # 20-50 s: two clusters started, one collective timed out
-def test_a_failed_rank_fails_its_cell_a_stuck_collective_times_out_and_a_killed_kernel_leaves_nothing(
-        fresh_ipython):
-    """The start cell, a cell that fails on rank 1 only, a collective that rank 1 never joins (it ends within the
-    timeout as an error, not a frozen notebook), the start cell again (a fresh group works), then the kernel is
-    killed with SIGKILL: the engines and the controller end with it."""
-    import jupyter_client
-    km, kc = jupyter_client.manager.start_new_kernel(kernel_name="python3", cwd=str(REPO / "notebooks"))
-    try:
-        def cell(code, timeout=120):
-            seen = []
-            reply = kc.execute_interactive(code, timeout=timeout, output_hook=seen.append)
-            text = "".join(m["content"].get("text", "") + m["content"].get("ename", "") + m["content"].get("evalue", "")
-                           + "".join(m["content"].get("traceback", [])) for m in seen)
-            return reply["content"]["status"], text
+class Sitting:
+    """One kernel driven cell by cell by nbclient, as a reader's notebook: run(source) returns (error, text)."""
 
-        status, said = cell("import ranks\nrc = ranks.start(2, timeout_s=5)")
-        assert status == "ok" and "2 ranks joined one group" in said, said
-        status, said = cell("%%px\nassert RANK != 1, 'rank 1 disagrees'")
-        assert status == "error" and "rank 1 disagrees" in said, said
+    def __init__(self, client):
+        self.client, self.n = client, 0
+
+    def run(self, source, interrupt_after=None):
+        import nbformat
+        cell = nbformat.v4.new_code_cell(source)
+        self.client.nb.cells.append(cell)
+        if interrupt_after is not None:  # Stop, as Jupyter sends it: SIGINT to the kernel
+            pid = self.client.km.provisioner.process.pid
+            timer = __import__("threading").Timer(interrupt_after, os.kill, (pid, signal.SIGINT))
+            timer.start()
         t0 = time.time()
-        status, said = cell("%%px\nimport torch, torch.distributed as dist\n"
-                            "if RANK == 0:\n    dist.all_reduce(torch.ones(1))", timeout=60)
-        assert status == "error" and time.time() - t0 < 40, said  # gloo's timeout (5 s here), as an error
-        status, said = cell("rc = ranks.start(2, timeout_s=5)\n"
-                            "print(rc[:].apply_sync(lambda: __import__('torch').distributed.get_world_size()))")
-        assert status == "ok" and "[2, 2]" in said, said
-        assert rank_processes(fresh_ipython), "the ranks should be running now"
-        os.kill(km.provisioner.process.pid, signal.SIGKILL)
-        left = none_left(fresh_ipython, within_s=15)
-        assert not left, f"processes outlived the killed kernel: {left}"
-    finally:
-        kc.stop_channels()
-        if km.is_alive():  # a failed check above: the kernel's ranks end with it
-            km.shutdown_kernel(now=True)
-        km.cleanup_resources()
+        self.client.execute_cell(cell, len(self.client.nb.cells) - 1)
+        took = time.time() - t0
+        error = next((o for o in cell.outputs if o.output_type == "error"), None)
+        text = "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cell.outputs)
+        if error is not None:
+            text += f"{error.ename}: {error.evalue}\n" + "\n".join(error.traceback)
+        return error, re.sub(r"\x1b\[[0-9;]*m", "", text), took
+
+
+@pytest.mark.slow  # 40-90 s: three groups started, a collective timed out, nine exercise checks
+def test_a_readers_sitting_costs_one_cell_per_mistake_and_a_killed_kernel_leaves_nothing(tmp_path):
+    """In one kernel: each notebook's "Your turn" check says "not written yet" for its stub, passes a solution from
+    tests/exercise_solutions and names a planted mistake; a cell failing on rank 1 shows rank 1's error; Stop frees
+    ranks that can be interrupted and says to reset when a rank is stuck in a collective (the next cell refuses at
+    once); ranks.reset() gives a working group; a collective only rank 0 joins fails in bounded time with one
+    GroupError naming it, later cells say the group broke, reset again works; then the kernel is SIGKILLed and its
+    ranks, cluster files and profile are gone within 2 s."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    env = kernel_env(tmp_path)
+    client = NotebookClient(nbformat.v4.new_notebook(), timeout=300, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(REPO / "notebooks")}})
+    with client.setup_kernel(env=env):
+        me = Sitting(client)
+        error, said, _ = me.run("import ranks\nrc = ranks.start(2, timeout_s=5)")
+        assert error is None and "2 ranks joined one group" in said, said
+
+        for name in NOTEBOOKS:
+            stub, check = your_turn(name)
+            assert me.run(stub)[0] is None
+            error, said, _ = me.run(check)
+            assert error is None and "not written yet" in said, f"{name}\n{said}"
+            assert me.run("%%px\n" + (SOLUTIONS / RIGHT[name]).read_text())[0] is None
+            error, said, _ = me.run(check)
+            assert error is None and "passed on 2 ranks" in said, f"{name}\n{said}"
+            wrong, words = WRONG[name]
+            assert me.run(wrong)[0] is None
+            error, said, _ = me.run(check)
+            assert error is not None and error.ename == "CheckFailed" and words in said, f"{name}\n{said}"
+
+        error, said, _ = me.run("%%px\nassert RANK != 1, 'rank 1 disagrees'")
+        assert error is not None and "rank 1 disagrees" in said and "GroupError" not in said, said
+
+        # Stop while every rank runs Python: they stop, and the group goes on.
+        error, said, took = me.run("%%px\nimport time\ntime.sleep(60)", interrupt_after=1)
+        assert error is not None and "interrupted ranks 0, 1" in said and took < 10, said
+        error, said, _ = me.run("%%px\nimport torch, torch.distributed as dist\nx = torch.ones(1)\n"
+                                "dist.all_reduce(x)\nprint(f'sum {x.item():g}')")
+        assert error is None and said.count("sum 2") == 2, said
+
+        # Stop while rank 0 waits in a collective rank 1 never joins: the cell says so, the next refuses at once.
+        error, said, took = me.run("%%px\nif RANK == 0:\n    dist.all_reduce(torch.ones(1))", interrupt_after=0.5)
+        assert error is not None and error.ename == "GroupError" and "rank 0 did not stop" in said, said
+        assert "ranks.reset()" in said and took < 4, (took, said)
+        error, said, took = me.run("%%px\nprint(RANK)")
+        assert error is not None and "rank 0 still inside an interrupted cell" in said and took < 1, (took, said)
+
+        error, said, took = me.run("rc = ranks.reset()\n%px print(f'rank {RANK} is back')")
+        assert error is None and "rank 1 is back" in said, said
+        print(f"ranks.reset(): {took:.1f} s")
+
+        # A collective only rank 0 joins: one GroupError after the group's timeout (5 s), in words.
+        t0 = time.time()
+        error, said, took = me.run("%%px\nimport torch, torch.distributed as dist\n"
+                                   "if RANK == 0:\n    dist.all_reduce(torch.ones(1))")
+        assert error is not None and error.ename == "GroupError" and took < 30, (took, said)
+        assert "rank 0 timed out in dist.all_reduce; rank 1 finished the cell without joining it" in error.evalue
+        assert "cannot be used again" in error.evalue and "ranks.reset()" in error.evalue, error.evalue
+        assert len(error.traceback) == 1 and len(error.evalue) < 300, error.traceback  # one line, not gloo's story
+        error, said, _ = me.run("%%px\ndist.all_reduce(torch.ones(1))")
+        assert error is not None and "the group broke in an earlier cell" in said, said
+
+        error, said, _ = me.run("rc = ranks.reset()\n\n\ndef joined():\n    import torch\n    import torch.distributed "
+                                "as dist\n    dist.all_reduce(torch.ones(1))\n    return dist.get_rank()\n\n\n"
+                                "print(rc[:].apply_sync(joined))")
+        assert error is None and "[0, 1]" in said, said
+
+        # The kernel killed: its ranks, cluster files and profile go with it.
+        assert rank_processes(tmp_path / "ipython"), "the ranks should be running now"
+        os.kill(client.km.provisioner.process.pid, signal.SIGKILL)
+        t0 = time.time()
+        left = none_left(tmp_path / "ipython", within_s=10)
+        gone_s = time.time() - t0
+        time.sleep(0.2)
+        files = files_left(tmp_path / "ipython", tmp_path / "tmp")
+    assert not left and gone_s <= GONE_S, f"processes outlived the killed kernel by {gone_s:.1f} s: {left}"
+    assert not files, f"left behind: {files}"
