@@ -1,22 +1,19 @@
-"""05 - DDP by hand, training any Hugging Face causal LM (a small GPT-2 by default, offline).
+"""05 - DDP by hand: the naive all-reduce, then DDPCore (PyTorch's DDP, bit for bit), training a small GPT-2.
 
-What it teaches: DDPCore, right below, is what PyTorch's DistributedDataParallel does, bit for bit, in about 200
-lines: broadcast rank 0's weights at start; pack gradients into buckets, rebuilt once in the order the first
-backward produced them; start each bucket's all-reduce from a backward hook as soon as its last gradient lands, so
-communication overlaps the rest of backward; nothing sent while accumulating (no_sync). Then average_gradients, the
-naive tutorial version; then a small train.py as nanoGPT's: data, model, the loop (bf16, TF32, fused AdamW on a GPU;
---compile), checkpoints that resume bit for bit, a sample. ddp_dropin.py adds DDP's whole API to DDPCore.
+What it teaches, in reading order: average_gradients, the tutorial's version, and why it is slow; then DDPCore, what
+torch.nn.parallel.DistributedDataParallel does, bit for bit, read in the order a step runs (rank 0's weights
+broadcast; gradients written into flat buckets; each bucket all-reduced from a backward hook as soon as it is full,
+overlapping the rest of backward; buckets cut again once in the order backward really made them; no_sync). Then a
+train.py as nanoGPT's for any Hugging Face causal LM, with checkpoints that resume bit for bit. ddp_dropin.py builds
+ManualDDP, a drop-in for PyTorch's DDP (hooks, join, unused parameters, ...), on DDPCore.
 
-Run it (the default trains a small GPT-2 offline on Python's own standard library sources):
-  CPU:        torchrun --nproc_per_node=4 05_manual_ddp_gpt2.py
+Run it (the default trains a 0.84M-parameter GPT-2 offline, on Python's own standard library sources):
+  CPU:        torchrun --nproc_per_node=4 05_manual_ddp_gpt2.py     (--impl naive, or torch, to compare)
   1 process:  python 05_manual_ddp_gpt2.py
   N GPUs:     torchrun --nproc_per_node=N 05_manual_ddp_gpt2.py --model gpt2 --dataset wikitext \\
                   --dataset-config wikitext-2-raw-v1 --seq-len 512 --compile
   2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 \\
-                  05_manual_ddp_gpt2.py --out ckpt
-  restarts:   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 \\
-                  05_manual_ddp_gpt2.py --out ckpt --crash-at-step 100   (pytorch#135712: the variable)
-  compare:    torchrun --nproc_per_node=4 05_manual_ddp_gpt2.py --impl torch   (or naive)
+                  05_manual_ddp_gpt2.py --out ckpt      (ckpt on a disk both nodes see; restarts: docs/checkpoints.md)
 """
 
 import argparse
@@ -26,9 +23,9 @@ import glob
 import itertools
 import math
 import os
+import pathlib
 import shutil
 import signal
-import sys
 import time
 import weakref
 from datetime import timedelta
@@ -41,12 +38,163 @@ import torch.nn as nn
 ADAMW_BETAS = (0.9, 0.95)  # GPT-2's (and nanoGPT's); PyTorch's default 0.999 reacts slower to a changing loss
 LR_FLOOR = 0.1  # the cosine schedule ends at this fraction of --lr
 SEED_STRIDE = 7919  # dropout seed = seed + stride * step + rank: a prime, so no two (step, rank) pairs share one
-SAMPLE_TOP_K, SAMPLE_TEMPERATURE = 20, 0.8  # the generated sample at the end
-# DDP's own words for a model with nothing to train, which PyTorch's tests match on
-NOTHING_TO_AVERAGE = ("DistributedDataParallel is not needed when a module doesn't have any parameter that requires "
-                      "a gradient.")
 
-# --- the idea: DDP by hand ---
+
+# --- the idea, naive: what a tutorial writes ---
+def average_gradients(model, world):
+    """--impl naive. After backward, all ranks add up each gradient and divide by their number: every replica then
+    takes the same step, so replicas that start identical stay identical. (SUM, then divide: gloo has no AVG.)"""
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:  # no gradient on this rank: it adds zero, but every rank must join each all-reduce
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+
+
+# Why it is slow: one message per tensor (52 for the default model, 148 for GPT-2 124M), each paying the network's
+# fixed latency, and none starts before backward has ended: communication adds to the step instead of hiding
+# behind backward's compute. DDPCore packs the gradients into a few large buckets and sends each one from inside
+# backward, as soon as it is full, while backward computes the layers before it.
+
+# --- the idea, as PyTorch's DDP does it ---
+class DDPCore(nn.Module):
+    """DistributedDataParallel's idea: after loss.backward(), every .grad holds the mean of all ranks' gradients,
+    and the all-reduces that made it ran while backward was still computing the rest. Every parameter that requires
+    a gradient must get one in every synced backward, on ranks that run the same number of steps (ManualDDP, in
+    ddp_dropin.py, lifts both, with the rest of DDP's arguments)."""
+
+    def __init__(self, module, process_group=None, bucket_cap_mb=None, broadcast_buffers=True):
+        super().__init__()
+        self.module, self.broadcast_buffers = module, broadcast_buffers
+        self.process_group = process_group or dist.group.WORLD
+        self.world = dist.get_world_size(self.process_group)
+        self.require_backward_grad_sync = True  # False inside no_sync(): backward then stays local
+        self.require_forward_param_sync = True  # broadcast the buffers before the next forward
+        self.names = [n for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.device = next(module.parameters()).device  # where the buckets live
+        # Replicas must start identical: the same mean gradient applied to different weights would keep them
+        # different forever. So rank 0's parameters win (frozen ones too: they shape the output), and its buffers
+        # (BatchNorm's running statistics) if buffers are synced.
+        buffers = list(module.buffers()) if broadcast_buffers else []
+        broadcast_coalesced(list(module.parameters()) + buffers, 0, self.process_group)
+        # Buckets, DDP's way: the first backward runs with ONE bucket (one per dtype) in parameter order, only a
+        # guess at the order gradients arrive in. That backward shows the real order, and the buckets are cut
+        # again in it, once, before the next forward (_maybe_rebuild), with DDP's sizes: 25 MiB, the first 1 MiB
+        # so that its all-reduce starts early in backward ("experiments showed 1MB is a reasonable value": DDP).
+        self._caps = [1 << 20, 25 << 20] if bucket_cap_mb is None else [int(bucket_cap_mb * (1 << 20))]
+        self._set_buckets(sorted(bucket_layout(self.params, range(len(self.params)), [math.inf]), key=min,
+                                 reverse=True))
+        self._rebuilt, self._order = False, []  # _order: parameter indices as the first backward made them ready
+        self._next, self._queued = 0, False  # the next bucket to launch; _finish queued for this backward
+        me = weakref.ref(self)  # the hooks must not keep a dropped wrapper alive, answering every backward
+
+        def hook(i, p):
+            core = me()
+            if core is not None:
+                core._on_grad_ready(i, p)
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(hook, i))
+
+    # -- one step, in the order it runs: forward, a hook per gradient, the end of backward --
+    def forward(self, *inputs, **kwargs):
+        if torch.is_grad_enabled():
+            if self.require_backward_grad_sync:  # never inside no_sync(): accumulating costs no communication
+                self._maybe_rebuild()
+            self._grads_into_buckets()
+        if self.require_forward_param_sync and self.broadcast_buffers:  # rank 0's BatchNorm statistics, say
+            broadcast_coalesced(list(self.module.buffers()), 0, self.process_group)
+        output = self.module(*inputs, **kwargs)
+        # Buffers are broadcast before the forward that follows a synced one (as DDP: not after no_sync forwards).
+        self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        return output
+
+    def _grads_into_buckets(self):
+        """A missing .grad (None after optimizer.zero_grad()) becomes its zeroed bucket slot. Autograd then adds the
+        gradient into .grad in place, that is into the bucket: nothing to copy in, nothing to copy back out."""
+        for b in self.buckets:
+            missing = [slot for slot, p in enumerate(b.params) if p.grad is None]
+            if len(missing) == len(b.params):
+                b.flat.zero_()  # the usual case: one fill for the whole bucket
+            else:  # only some are None: keep what the others hold
+                for slot in missing:
+                    b.views[slot].zero_()
+            for slot in missing:
+                b.params[slot].grad = b.views[slot]
+
+    def _on_grad_ready(self, i, p):
+        """Runs inside backward, right after autograd added parameter i's gradient into p.grad."""
+        if not self.require_backward_grad_sync:
+            return  # accumulating locally: no communication at all
+        if not self._queued:  # the first gradient of this backward: have _finish run once backward is done
+            self._queued = True
+            # The autograd engine's queue_callback is a private API; PyTorch's own DDP relies on it too.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        if not self._rebuilt:
+            self._order.append(i)  # the order in which backward really produces gradients
+        bucket, slot = self._where[i]
+        if p.grad.data_ptr() != bucket.views[slot].data_ptr():  # backward replaced .grad instead of adding into it
+            bucket.views[slot].copy_(p.grad)
+            p.grad = bucket.views[slot]
+        bucket.pending -= 1
+        # Launch strictly in bucket order, on every rank alike: collectives are matched by the order in which ranks
+        # issue them, and gradients may become ready in a different order on different ranks.
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b):
+        # Divide BEFORE the sum, as DDP does: N fp16/bf16 gradients added up could overflow where their mean would
+        # not. A multiply by 1/N, as DDP's, for the same bits; on data just written (still in cache).
+        b.flat.mul_(1 / self.world)
+        b.work = dist.all_reduce(b.flat, group=self.process_group, async_op=True)  # returns at once
+
+    def _finish(self):
+        """End of backward: wait for every bucket's all-reduce. Then each .grad (a view of a bucket) is the mean."""
+        self._queued = False
+        if self._next < len(self.buckets):  # a bucket that never filled never left: the ranks would drift apart
+            names = [self.names[i] for b in self.buckets[self._next:] for i in b.indices]
+            raise RuntimeError(f"DDPCore: a parameter got no gradient in this backward (one of {names[:5]}); "
+                               "ddp_dropin.ManualDDP(model, find_unused_parameters=True) takes such models")
+        for b in self.buckets:
+            b.work.wait()
+            b.pending = len(b.params)  # counted down again by the next backward
+        self._next = 0
+
+    # -- before the second forward: the buckets, cut again once in the order gradients really arrived --
+    def _maybe_rebuild(self):
+        if self._rebuilt or not self._order:
+            return
+        # The observed order, each parameter once, then any that never became ready, in parameter order. Every
+        # rank takes the group's first rank's order: the buckets must be the same everywhere.
+        order = list(dict.fromkeys(self._order + list(range(len(self.params)))))
+        order = torch.tensor(order, dtype=torch.int64, device=self.device)
+        dist.broadcast(order, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        self._set_buckets(bucket_layout(self.params, order.tolist(), self._caps))
+        self._rebuilt = True
+
+    def _set_buckets(self, layout):
+        grads = [p.grad for p in self.params]
+        self.buckets = [Bucket([self.params[i] for i in idx], list(idx)) for idx in layout]
+        self._where = [None] * len(self.params)  # parameter index -> (its bucket, its slot there)
+        for b in self.buckets:
+            for slot, i in enumerate(b.indices):
+                self._where[i] = (b, slot)
+                if grads[i] is not None:  # gradients accumulated so far (no_sync) move into the new buckets
+                    b.views[slot].copy_(grads[i])
+                    self.params[i].grad = b.views[slot]
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulation: backward adds into .grad locally; the first backward after the block averages the sum."""
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+
 class Bucket:
     """The gradients of several parameters in one flat tensor. Each parameter's .grad is a view of its slot, so
     backward writes straight into the bucket and the whole bucket leaves in one all-reduce: nothing is copied."""
@@ -57,7 +205,9 @@ class Bucket:
         offsets = itertools.accumulate([p.numel() for p in params], initial=0)
         self.views = [self.flat[o:o + p.numel()].view_as(p) for o, p in zip(offsets, params)]
         self.pending = len(params)  # gradients this backward has still to produce
-        self.work = None  # the last all-reduce, kept until the next (why: docs/manual_ddp.md, "A clean exit")
+        # The last all-reduce, kept until the next one: were gloo's thread to drop the last reference to it while
+        # the interpreter exits, the process would abort.
+        self.work = None
 
 
 def bucket_layout(params, order, caps):
@@ -76,227 +226,16 @@ def bucket_layout(params, order, caps):
     return done + [indices for indices, _, _ in running.values() if indices]
 
 
-def _call(wrapper, method, *args):
-    """Call a method of the wrapper behind a weak reference, if the wrapper still exists."""
-    target = wrapper()
-    if target is not None:
-        return getattr(target, method)(*args)
-
-
-class DDPCore(nn.Module):
-    """DistributedDataParallel's idea: after loss.backward(), every .grad holds the mean of all ranks' gradients,
-    and the all-reduces that made it ran while backward was still computing the rest.
-
-    What it leaves out, each an error or a wrong result here, each handled by ManualDDP (ddp_dropin.py):
-      - a parameter that gets no gradient in some backward: find_unused_parameters=True, or static_graph=True;
-      - ranks with different numbers of batches: join(); other reductions than the mean: register_comm_hook();
-      - DDP's other arguments (device_ids, init_sync, delay_all_reduce_named_params, bucket_cap_mb_list, ...),
-        pickling the wrapper, _get_ddp_logging_data(), and DDP's own wording of its errors.
-    """
-
-    bucket_class = Bucket  # ManualDDP's buckets also answer what a communication hook asks of one
-
-    def __init__(self, module, process_group=None, bucket_cap_mb=None, broadcast_buffers=True):
-        super().__init__()
-        self.module, self.broadcast_buffers = module, broadcast_buffers
-        self.process_group = process_group or dist.group.WORLD
-        self.world = dist.get_world_size(self.process_group)
-        self._divisor = self.world  # the mean divides by this
-        self.require_backward_grad_sync = True  # False inside no_sync(): backward then stays local
-        self.require_forward_param_sync = True  # broadcast the buffers before the next forward
-        named = self._parameters_to_sync()
-        self.names = [n for n, p in named if p.requires_grad]
-        self.params = [p for _, p in named if p.requires_grad]
-        self.device = next(module.parameters()).device  # where the buckets live
-        # Replicas must start identical: the same mean gradient applied to different weights would keep them
-        # different forever. So rank 0's value of every parameter wins (frozen ones too: they shape the output),
-        # and of every buffer (BatchNorm's running statistics) if buffers are synced.
-        self._sync_module_states([p for _, p in named])
-        # Buckets, DDP's way: the first backward runs with ONE bucket in parameter order, only a guess at the order
-        # gradients arrive in. That backward shows the real order, and the buckets are cut again in it, once,
-        # before the next forward (_maybe_rebuild). Reversed: backward produces the last layers' gradients first.
-        first_caps, self._caps = self._bucket_caps(bucket_cap_mb)
-        self._set_buckets(sorted(bucket_layout(self.params, range(len(self.params)), first_caps), key=min,
-                                 reverse=True))
-        self._rebuilt, self._order = False, []  # _order: parameter indices as the first backward made them ready
-        self._next, self._queued = 0, False  # the next bucket to launch; _finish queued for this backward
-        self._register_hooks()
-
-    def _parameters_to_sync(self):
-        """(name, parameter) pairs, broadcast at construction; those that require a gradient are averaged."""
-        named = list(self.module.named_parameters())
-        if not any(p.requires_grad for _, p in named):
-            raise RuntimeError(NOTHING_TO_AVERAGE)
-        return named
-
-    @property
-    def buffers_to_sync(self):
-        return list(self.module.buffers())  # looked up each time: a module may replace a buffer
-
-    def _sync_module_states(self, params):
-        self._broadcast(params + (self.buffers_to_sync if self.broadcast_buffers else []), src=0)
-
-    def _bucket_caps(self, bucket_cap_mb):
-        """(caps before the rebuild, caps after), in bytes. DDP's default: 25 MiB, the first bucket 1 MiB so that
-        its all-reduce starts early in backward ("experiments showed 1MB is a reasonable value", says DDP)."""
-        if bucket_cap_mb is None:
-            return [sys.maxsize], [1 << 20, 25 << 20]
-        return [sys.maxsize], [int(bucket_cap_mb * (1 << 20))]
-
-    def _set_buckets(self, layout):
-        grads = [p.grad for p in self.params]
-        self.buckets = [self.bucket_class([self.params[i] for i in idx], list(idx)) for idx in layout]
-        self._where = [None] * len(self.params)  # parameter index -> (its bucket, its slot there)
-        for b in self.buckets:
-            for slot, i in enumerate(b.indices):
-                self._where[i] = (b, slot)
-                if grads[i] is not None:  # gradients accumulated so far (no_sync) move into the new buckets
-                    b.views[slot].copy_(grads[i])
-                    self.params[i].grad = b.views[slot]
-
-    def _register_hooks(self):
-        # Through a weak reference: a dropped wrapper must be freed, not kept alive by hooks on the parameters
-        # of a module that lives on (and answering its every backward).
-        me = weakref.ref(self)
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(functools.partial(_call, me, "_on_grad_ready", i))
-
-    # -- one step: forward, a hook per parameter, the end of backward --
-    def forward(self, *inputs, **kwargs):
-        if torch.is_grad_enabled():
-            if self.require_backward_grad_sync:  # never inside no_sync(): accumulating costs no communication
-                self._maybe_rebuild()
-            self._grads_into_buckets()
-        if self.require_forward_param_sync and self.broadcast_buffers and self.buffers_to_sync:
-            self._sync_buffers()
-        output = self.module(*inputs, **kwargs)
-        # Buffers are broadcast before the forward that follows a synced one (as DDP: not after no_sync forwards).
-        self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        return output
-
-    def _grads_into_buckets(self):
-        """A missing .grad (None after optimizer.zero_grad()) becomes its zeroed bucket slot. Autograd then adds the
-        gradient into .grad in place, that is into the bucket: nothing to copy in, nothing to copy back out."""
-        for b in self.buckets:
-            for slot in self._zero_missing(b):
-                b.params[slot].grad = b.views[slot]
-
-    def _zero_missing(self, b):
-        missing = [slot for slot, p in enumerate(b.params) if p.grad is None]
-        if len(missing) == len(b.params):
-            b.flat.zero_()  # the usual case: one fill for the whole bucket
-        else:  # only some are None: keep what the others hold
-            for slot in missing:
-                b.views[slot].zero_()
-        return missing
-
-    def _on_grad_ready(self, i, p):
-        """Runs inside backward, right after autograd added parameter i's gradient into p.grad."""
-        if not self.require_backward_grad_sync:
-            return  # accumulating locally: no communication at all
-        self._queue_finish()
-        if not self._rebuilt:
-            self._order.append(i)  # the order in which backward really produces gradients
-        bucket, slot = self._where[i]
-        self._mark_ready(bucket, slot)
-        self._launch_ready()
-
-    def _queue_finish(self):
-        if not self._queued:  # the first gradient of this backward: run _finish once backward is done
-            self._queued = True
-            # The autograd engine's queue_callback is a private API; PyTorch's own DDP relies on it too.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-
-    def _mark_ready(self, bucket, slot):
-        p, view = bucket.params[slot], bucket.views[slot]
-        if p.grad.data_ptr() != view.data_ptr():  # backward did not write into the slot (.grad was replaced)
-            view.copy_(p.grad)
-        p.grad = view
-        bucket.pending -= 1
-
-    def _launch_ready(self):
-        # Strictly in bucket order, on every rank alike: collectives are matched by the order in which ranks issue
-        # them, and gradients may become ready in a different order on different ranks.
-        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            self._launch(self.buckets[self._next])
-            self._next += 1
-
-    def _launch(self, b):
-        # Divide BEFORE the sum, as DDP does: N fp16/bf16 gradients added up could overflow where their mean would
-        # not. One multiply per bucket by 1/N, on data just written (still in cache).
-        if self._divisor > 1:
-            b.flat.mul_(1 / self._divisor)
-        b.work = dist.all_reduce(b.flat, group=self.process_group, async_op=True)
-
-    def _finish(self):
-        """End of backward: wait for every bucket's all-reduce. Then each .grad (a view of a bucket) is the mean."""
-        self._queued = False
-        if self._next < len(self.buckets):
-            names = [self.names[i] for b in self.buckets[self._next:] for i in b.indices]
-            raise RuntimeError(f"DDPCore: a parameter got no gradient in this backward (one of {names[:5]}), so its "
-                               "bucket never left. Use ddp_dropin.ManualDDP(find_unused_parameters=True) for it.")
-        for b in self.buckets:
-            self._wait(b)
-            b.pending = len(b.params)
-        self._next = 0
-
-    def _wait(self, b):
-        b.work.wait()
-
-    # -- the buckets, cut again once in the order gradients really arrived --
-    def _maybe_rebuild(self):
-        if self._rebuilt or not self._order:
-            return
-        # The observed order, each parameter once, then any that never became ready, in parameter order. Every
-        # rank takes the group's first rank's order: the buckets must be the same everywhere.
-        order = list(dict.fromkeys(self._order))
-        seen = set(order)
-        order += [i for i in range(len(self.params)) if i not in seen]
-        order = torch.tensor(order, dtype=torch.int64, device=self.device)
-        dist.broadcast(order, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
-        self._set_buckets(bucket_layout(self.params, order.tolist(), self._caps))
-        self._rebuilt = True
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Gradient accumulation: backward adds into .grad locally, with no communication; the first backward after
-        the block averages the whole sum."""
-        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = before
-
-    def _sync_buffers(self, src=0):
-        """Rank src's buffers to every rank before forward: BatchNorm's statistics, say, stay the same everywhere."""
-        self._broadcast(self.buffers_to_sync, src)
-
-    def _broadcast(self, tensors, src):
-        """Broadcast from the group's rank src in few messages: the tensors of one dtype and device packed into one
-        flat buffer, up to 250 MiB a message (as DDP: a large model needs no second full copy of itself)."""
-        messages = {}
-        for t in tensors:
-            kind = (t.dtype, t.device)
-            if kind not in messages or sum(x.numel() * x.element_size() for x in messages[kind][-1]) >= 250 << 20:
-                messages.setdefault(kind, []).append([])
-            messages[kind][-1].append(t)
-        with torch.no_grad():
-            for group in [g for kind in messages.values() for g in kind]:
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                dist.broadcast(flat, src=dist.get_global_rank(self.process_group, src), group=self.process_group)
-                for t, part in zip(group, flat.split([t.numel() for t in group])):
-                    t.copy_(part.view_as(t))
-
-
-def average_gradients(model, world):
-    """--impl naive, the classic tutorial: after backward, one blocking all-reduce per parameter. Correct, but each
-    message pays the full latency and nothing overlaps backward (benchmarks/ddp_step.py measures the cost)."""
-    for p in model.parameters():
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-            p.grad.div_(world)
+def broadcast_coalesced(tensors, src, group):
+    """Broadcast from the group's rank src in few messages: the tensors packed as buckets are, up to 250 MiB a
+    message (as DDP: a large model needs no second full copy of itself)."""
+    with torch.no_grad():
+        for indices in bucket_layout(tensors, range(len(tensors)), [250 << 20]):
+            batch = [tensors[i].detach() for i in indices]
+            flat = torch.cat([t.reshape(-1) for t in batch])
+            dist.broadcast(flat, src=dist.get_global_rank(group, src), group=group)
+            for t, part in zip(batch, flat.split([t.numel() for t in batch])):
+                t.copy_(part.view_as(t))
 
 
 # --- data: a tokenizer and a corpus that need no download ---
@@ -312,86 +251,97 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
 
-def load_texts(args):
-    """A list of documents through Hugging Face `datasets`: Python's standard library (real text on every machine,
-    offline), the files of a local directory or glob, or a dataset from the hub."""
-    import datasets
-    datasets.disable_progress_bars()
+def load_tokens(args, tok):
+    """One stream of token ids, each document ended by end-of-text: Python's standard library (real text on every
+    machine, offline), local files (a directory, a file or a glob; a file is a document), or a hub dataset."""
     if args.dataset == "stdlib":
         files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[: args.stdlib_files]
-    elif os.path.isdir(args.dataset):
-        files = sorted(f for f in glob.glob(os.path.join(args.dataset, "**", "*"), recursive=True) if os.path.isfile(f))
-    else:
-        files = sorted(glob.glob(args.dataset))
-    if os.environ.get("LOCAL_RANK", "0") != "0":  # local rank 0 of each node builds the datasets cache first
-        dist.barrier()
-    try:
-        if files:
-            ds = datasets.load_dataset("text", data_files=files, split="train", sample_by="document")
-        else:
-            ds = datasets.load_dataset(args.dataset, args.dataset_config, split=args.split)
-    finally:  # even if it failed: the others then fail on their own, with the same error, instead of waiting
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # the others then read it instead of racing
-            dist.barrier()
-    return [t for t in ds[args.text_column] if t]
+    else:  # a directory (every file under it), a file or a glob; if none matches, a hub dataset's name
+        pattern = os.path.join(args.dataset, "**", "*") if os.path.isdir(args.dataset) else args.dataset
+        files = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
+    if files or os.path.isdir(args.dataset):
+        texts = [pathlib.Path(f).read_text(encoding="utf-8") for f in files]
+    else:  # every rank asks at once: the datasets cache takes one download, under a file lock
+        import datasets
+        datasets.disable_progress_bars()
+        texts = datasets.load_dataset(args.dataset, args.dataset_config, split=args.split)[args.text_column]
+    texts = [t for t in texts if t]
+    if not texts:  # else an IndexError deep inside the tokenizer
+        raise UsageError(f"--dataset {args.dataset} is empty: no text to train on")
+    rows = tok(texts, add_special_tokens=False)["input_ids"]
+    return torch.tensor([i for row in rows for i in row + [tok.eos_token_id]])
 
 
-def tokenize(texts, tok):
-    """One long stream of token ids, documents separated by end-of-text."""
-    ids = []
-    for row in tok(texts, add_special_tokens=False)["input_ids"]:
-        ids.extend(row + [tok.eos_token_id])
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def batches_from(dataset, per_epoch, args, start_micro):
-    """This rank's micro-batches forever, from micro-batch `start_micro` on, re-shuffled every epoch. The position
-    is a plain counter, so a resumed run continues at exactly the batch it stopped at. DistributedSampler gives
-    each rank its own share (04_sampler.py writes it by hand), the same permutation on every rank."""
-    sampler = torch.utils.data.DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
-    micro = start_micro
+def batches_from(data, per_epoch, args, micro):
+    """This rank's micro-batches forever, from micro-batch `micro` on (a plain counter: a resumed run continues at
+    exactly the batch it stopped at). DistributedSampler (04_sampler.py writes it by hand) gives each rank its own
+    share of one permutation, the same on every rank."""
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=args.seed, drop_last=True)
     while True:
         epoch, offset = divmod(micro, per_epoch)
-        sampler.set_epoch(epoch)  # a new permutation each epoch, the same one on every rank
+        sampler.set_epoch(epoch)  # a new permutation each epoch (without it, every epoch replays the first)
         idx = list(sampler)
         for k in range(offset, per_epoch):
-            yield dataset[idx[k * args.batch_size : (k + 1) * args.batch_size]]
+            yield data[idx[k * args.batch_size : (k + 1) * args.batch_size]]
             micro += 1
 
 
 # --- model ---
 def build_model(args):
-    """(tokenizer, model): --model's from the hub or a local directory, else a small GPT-2 from scratch, in float32
-    (the master weights; autocast computes in bf16 where asked)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    """(tokenizer, model) in float32 (the master weights; autocast computes in bf16 where asked): --model's, from the
+    hub or a local directory, else a small GPT-2 from scratch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, logging
+    logging.set_verbosity_error()  # long documents trigger a harmless length warning
+    logging.disable_progress_bar()
     if args.model:
         tok, model = AutoTokenizer.from_pretrained(args.model), AutoModelForCausalLM.from_pretrained(args.model)
-        model.float()
     else:
         tok = byte_tokenizer()
-        # gelu_pytorch_tanh: the same function as GPT-2's gelu_new, as one fused kernel instead of ~8 on a GPU.
-        cfg = GPT2Config(vocab_size=len(tok), n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer,
-                         n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                         activation_function="gelu_pytorch_tanh",
-                         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
-        # The same seed on every rank gives identical replicas; DDPCore broadcasts rank 0's weights anyway.
-        torch.manual_seed(args.seed)
-        model = GPT2LMHeadModel(cfg)
-    positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-    if positions and args.seq_len > positions:  # else an IndexError deep in the model at the first forward
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions")
-    return tok, model
+        torch.manual_seed(args.seed)  # the same weights on every rank (DDPCore broadcasts rank 0's anyway)
+        # gelu_pytorch_tanh: GPT-2's gelu_new as one fused kernel instead of ~8 on a GPU.
+        model = GPT2LMHeadModel(GPT2Config(
+            vocab_size=len(tok), n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_pytorch_tanh",
+            bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id))
+    if args.seq_len > positions(model):  # else an IndexError deep in the model at the first forward
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions(model)} positions")
+    return tok, model.float()
+
+
+def positions(model):
+    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", 1024)
 
 
 def compile_blocks(model, backend="inductor"):
-    """Regional compilation, as torchtitan does: each transformer block compiled on its own. A block's gradients
-    are then ready, and their buckets sent, as soon as its backward ends, while earlier blocks still run theirs.
-    torch.compile(model) would hand over every gradient only after the whole compiled backward: no overlap left
-    (PyTorch's DDP avoids that by splitting the graph at its buckets, which only works for its own class)."""
+    """Each transformer block compiled on its own (regional compilation, as torchtitan does): a block's gradients,
+    and their buckets, still leave as soon as its backward ends. torch.compile(model) would hand every gradient over
+    only at the end of one compiled backward: no overlap left."""
     blocks = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)  # the stack of blocks
     for block in blocks:
         block.compile(backend=backend)
     return len(blocks)
+
+
+def sample(args, tok, model, device):
+    """Rank 0 writes a sample, kept within the model's context (prompt + new tokens <= its positions)."""
+    torch.manual_seed(args.seed)
+    prompt = tok(args.prompt).input_ids[-(positions(model) - 1):] or [tok.eos_token_id]
+    out = model.eval().generate(torch.tensor([prompt], device=device), do_sample=True, top_k=20, temperature=0.8,
+                                max_new_tokens=min(args.sample_tokens, positions(model) - len(prompt)),
+                                pad_token_id=tok.eos_token_id)
+    print0("sample:\n" + tok.decode(out[0], skip_special_tokens=True) + "\n")
+
+
+# --- training ---
+def wrap(model, impl, args, device):
+    """The model as each --impl trains it: DDPCore, PyTorch's DDP (same bucket size), or the naive tutorial's."""
+    if impl == "manual":
+        return DDPCore(model, bucket_cap_mb=args.bucket_cap_mb)
+    if impl == "torch":
+        device_ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)
+    broadcast_coalesced(list(model.parameters()) + list(model.buffers()), 0, dist.group.WORLD)
+    return model  # naive: rank 0's weights (as DDPCore's constructor), average_gradients after each backward
 
 
 def lr_factor(step, args):
@@ -402,30 +352,15 @@ def lr_factor(step, args):
     return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def wrap(model, impl, args, device):
-    """The model as each --impl trains it: DDPCore, PyTorch's DDP (same bucket size), or the naive tutorial's."""
-    if impl == "manual":
-        return DDPCore(model, bucket_cap_mb=args.bucket_cap_mb)  # the batches are on our device already
-    if impl == "torch":
-        device_ids = [device.index] if device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)
-    with torch.no_grad():  # naive: start from rank 0's weights, then average after every backward (see train)
-        for t in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(t, src=0)
-    return model
-
-
-# --- training ---
 def train(args, device, state):
-    """Train from `state` (a checkpoint, or None): returns (tokenizer, model, first logged loss, last)."""
+    """Train from `state` (a checkpoint, or None), then check the replicas and save the model."""
     tok, model = build_model(args)
-    ids = tokenize(load_texts(args), tok)
+    ids = load_tokens(args, tok)
     per_epoch = (len(ids) - 1) // args.seq_len // WORLD // args.batch_size  # micro-batches per rank per epoch
     if per_epoch < 1:
         raise UsageError(f"the dataset has {len(ids):,} tokens: too few for {WORLD} ranks x --batch-size "
                          f"{args.batch_size} x --seq-len {args.seq_len}")
-    # Windows of seq_len + 1 tokens, each starting where the last one's inputs end: the inputs are its first
-    # seq_len tokens, the targets the same shifted by one.
+    # Windows of seq_len + 1 tokens, each starting where the last one's inputs end: inputs, and targets one later.
     data = ids.unfold(0, args.seq_len + 1, args.seq_len)
     print0(f"data: {len(ids):,} tokens, {len(data):,} blocks of {args.seq_len}, {per_epoch} micro-batches "
            f"per rank per epoch | model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
@@ -439,13 +374,12 @@ def train(args, device, state):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=ADAMW_BETAS, weight_decay=args.weight_decay,
                             fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
-    start = 0
+    start = state["step"] if state else 0
     if state:
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        start = state["step"]
         print0(f"resumed from {os.path.join(args.out, f'checkpoint-{start}')} at step {start}")
-    batches = batches_from(data, per_epoch, args, start_micro=start * args.grad_accum)
+    batches = batches_from(data, per_epoch, args, start * args.grad_accum)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * WORLD
     profiler = contextlib.nullcontext()
     if args.profile:  # steps 3-5, a trace per rank, for benchmarks/overlap.py to read
@@ -467,12 +401,11 @@ def train(args, device, state):
             step_loss = torch.zeros((), device=device)
             for micro in range(args.grad_accum):
                 batch = next(batches).to(device, non_blocking=True)
-                # Accumulate locally on all but the last micro-batch: one all-reduce per optimizer step. (The
-                # attribute no_sync() sets; written directly, as nanoGPT does, it reads as the schedule it is.)
+                # Sync on the last micro-batch only, one all-reduce per optimizer step: the attribute no_sync() sets,
+                # written directly (as nanoGPT does) to read as the schedule it is.
                 if args.impl != "naive":
                     ddp.require_backward_grad_sync = micro == args.grad_accum - 1
-                # use_cache=False: training reads no KV cache; Hugging Face would build one every forward (and
-                # under --compile, each block would recompile on the state of its own cache layer).
+                # use_cache=False: no KV cache to build in training (under --compile each block would recompile).
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                     logits = ddp(input_ids=batch[:, :-1], use_cache=False).logits
                 loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
@@ -508,39 +441,22 @@ def train(args, device, state):
                 print0(f"step {step + 1:>5}/{args.max_steps} | loss {last_loss:7.4f} | lr {sched.get_last_lr()[0]:.2e} "
                        f"| {dt * 1e3:7.1f} ms/step | {tokens_per_step / dt:9,.0f} tok/s")
                 losses, t_log = [], time.perf_counter()
-    return tok, model, first_loss, last_loss
-
-
-def finish(args, tok, model, device, first_loss, last_loss):
     # Identical gradients on identical weights keep the replicas identical: check it, bit for bit.
-    flat = torch.cat([p.detach().flatten().float() for p in model.parameters()])
-    ref = flat.clone()
-    dist.broadcast(ref, src=0)
-    same = torch.tensor([float(torch.equal(ref, flat))], device=device)
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    mine = torch.cat([p.detach().flatten().float() for p in model.parameters()])
+    rank0 = mine.clone()
+    dist.broadcast(rank0, src=0)
+    differs = (rank0 != mine).any().float()
+    dist.all_reduce(differs)  # the ranks whose weights differ from rank 0's
     if RANK == 0 and args.out:  # the model and tokenizer as from_pretrained loads them
         model.save_pretrained(args.out)
         tok.save_pretrained(args.out)
         print0(f"saved model and tokenizer to {args.out} (AutoModelForCausalLM.from_pretrained loads it)")
     if RANK == 0 and args.sample_tokens > 0:
         sample(args, tok, model, device)
-    if not same.item():
-        raise RuntimeError("replicas diverged: weights differ across ranks")
+    if differs.item():
+        raise RuntimeError(f"replicas diverged: {differs.item():.0f} rank(s)' weights differ from rank 0's")
     trend = "fell" if last_loss < first_loss else "did NOT fall"
     print0(f"OK {args.impl} DDP on {WORLD} ranks: replicas identical; loss {trend} {first_loss:.4f} -> {last_loss:.4f}")
-
-
-def sample(args, tok, model, device):
-    """Rank 0 writes a sample, kept within the model's context (prompt + new tokens <= its positions)."""
-    model.eval()
-    torch.manual_seed(args.seed)
-    context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", 1024)
-    prompt = tok(args.prompt).input_ids[-(context - 1):] or [tok.eos_token_id]
-    new = min(args.sample_tokens, context - len(prompt))
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=new, do_sample=True,
-                             top_k=SAMPLE_TOP_K, temperature=SAMPLE_TEMPERATURE, pad_token_id=tok.eos_token_id)
-    print0("sample:\n" + tok.decode(out[0], skip_special_tokens=True) + "\n")
 
 
 def main(args):
@@ -560,11 +476,7 @@ def main(args):
             print0(f"OK nothing to train: {args.out} holds step {state['step']} of --max-steps {args.max_steps} "
                    "(a larger --max-steps continues it)")
             return
-    import transformers
-    transformers.logging.set_verbosity_error()  # long documents trigger a harmless length warning
-    transformers.utils.logging.disable_progress_bar()
-    tok, model, first_loss, last_loss = train(args, device, state)
-    finish(args, tok, model, device, first_loss, last_loss)
+    train(args, device, state)
 
 
 # --- checkpoints: the same block in 05, 06 and 08 ---
@@ -636,13 +548,15 @@ def parse_args(argv=None):
     g.add_argument("--n-layer", type=count, default=4, help="default model only")
     g.add_argument("--n-embd", type=count, default=128, help="default model only")
     g.add_argument("--n-head", type=count, default=4, help="default model only")
-    g.add_argument("--dataset", default="stdlib",
-                   help="'stdlib' (Python's sources), local files/dir/glob, or a HF dataset name")
+    g.add_argument("--dataset", default="stdlib", help="'stdlib' (Python's sources), local dir/file/glob, or HF name")
     g.add_argument("--dataset-config", default=None, help="HF dataset config, e.g. wikitext-2-raw-v1")
     g.add_argument("--split", default="train", help="HF dataset split")
     g.add_argument("--text-column", default="text", help="column holding the text")
     g.add_argument("--stdlib-files", type=count, default=40, help="how many stdlib .py files --dataset stdlib reads")
     g = p.add_argument_group("training")
+    g.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual",
+                   help="manual: DDPCore; torch: PyTorch's DDP; naive: average_gradients")
+    g.add_argument("--bucket-cap-mb", type=at_least(1e-6, float), default=None, help="default: DDP's (25, first 1)")
     g.add_argument("--batch-size", type=count, default=4, help="sequences per rank per micro-batch")
     g.add_argument("--grad-accum", type=count, default=1, help="micro-batches per optimizer step (no_sync between)")
     g.add_argument("--seq-len", type=count, default=128, help="tokens per sequence")
@@ -651,16 +565,9 @@ def parse_args(argv=None):
     g.add_argument("--warmup-steps", type=at_least(0), default=30, help="linear warm-up steps before cosine decay")
     g.add_argument("--weight-decay", type=nonnegative, default=0.1, help="AdamW weight decay")
     g.add_argument("--max-grad-norm", type=nonnegative, default=1.0, help="clip the synced gradient norm (0: off)")
-    g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="autocast dtype; auto: bf16 on a GPU that has it, fp32 on the CPU (exact, as the tests check)")
+    g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on a GPU with it")
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block (overlap kept)")
-    g.add_argument("--seed", type=at_least(0, below=2**32), default=0,
-                   help="model init (same on all ranks), data order")
-    g = p.add_argument_group("DDP")
-    g.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual",
-                   help="manual: DDPCore; torch: PyTorch's DDP; naive: average_gradients")
-    g.add_argument("--bucket-cap-mb", type=at_least(1e-6, float), default=None,
-                   help="gradient bucket size (default: PyTorch's, 25 MiB with a 1 MiB first bucket)")
+    g.add_argument("--seed", type=at_least(0, below=2**32), default=0, help="model init (same on all ranks), data")
     g = p.add_argument_group("checkpoints, output")
     g.add_argument("--out", default=None, help="checkpoint dir: resume from it, save to it, final save_pretrained")
     g.add_argument("--ckpt-every", type=count, default=50, help="steps between checkpoints")
@@ -668,8 +575,7 @@ def parse_args(argv=None):
     g.add_argument("--profile", default=None, help="write a torch.profiler trace of steps 3-5 per rank here")
     g.add_argument("--prompt", default="def ", help="start of the generated sample")
     g.add_argument("--sample-tokens", type=at_least(0), default=120, help="tokens generated at the end (0: none)")
-    g.add_argument("--crash-at-step", type=int, default=-1, help="SIGKILL the last rank at this step, first attempt "
-                   "only (under torchrun --max-restarts: the run resumes, bit for bit)")
+    g.add_argument("--crash-at-step", type=int, default=-1, help="SIGKILL the last rank here, on the first attempt")
     args = p.parse_args(argv)
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
@@ -714,14 +620,13 @@ class Parser(argparse.ArgumentParser):  # the flags every script shares; a bad f
 def setup(args):  # choose the device, then join the group; returns the device
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never asks CUDA
-    per_rank = gpus >= local_world  # a GPU for every rank on this node: CUDA and NCCL (the local rank picks it)
-    on_gpu = per_rank or args.device == "cuda"  # fewer GPUs: the CPU, or with --device cuda the ranks share them
-    backend = args.backend or ("nccl" if per_rank else "gloo")  # NCCL cannot share a GPU between ranks; gloo can
-    if (on_gpu and gpus == 0) or (backend == "nccl" and not per_rank):
+    per_rank = gpus >= local_world  # a GPU for each rank on this node; fewer: the CPU, or shared with --device cuda
+    backend = args.backend or ("nccl" if per_rank else "gloo")  # gloo can share a GPU between ranks; NCCL cannot
+    if (args.device == "cuda" and gpus == 0) or (backend == "nccl" and not per_rank):
         raise UsageError(f"--device {args.device} --backend {backend}: {gpus} CUDA GPU(s) for {local_world} ranks")
-    device = torch.device("cuda", local_rank % gpus) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        torch.cuda.set_device(device)  # before init, so that NCCL binds this rank to its GPU
+    device = torch.device("cuda", local_rank % gpus) if per_rank or args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":  # before init, so that NCCL binds this rank to its GPU
+        torch.cuda.set_device(device)
     print0(f"device: {device.type}, {backend} (--device {args.device}, {gpus} GPU(s) for {local_world} ranks/node)")
     alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # plain `python`
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s), **alone)
@@ -734,12 +639,12 @@ def run(main, parse_args):
     except UsageError as e:  # every rank stops alike, exit 2; rank 0 says why
         print0(f"error: {e}")
         os._exit(2)  # at once: tearing down a group that is up can abort in gloo's threads at exit (SIGABRT)
-    except RuntimeError as e:  # a peer died, or a collective outlived --timeout-s: one line per rank, exit 1
+    except RuntimeError as e:  # a peer died or a collective outlived --timeout-s (gloo's are plain RuntimeErrors)
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):
             raise  # a bug in the script keeps its traceback
         log(f"error: a peer died or timed out: {str(e).strip().splitlines()[0][:200]}")
         os._exit(1)  # no teardown: it would wait for the dead peer
-    dist.destroy_process_group()  # main() always joins the group first (setup)
+    dist.destroy_process_group()  # main() always joins the group first
     time.sleep(0.05)  # gloo's threads drop their last tensors before the interpreter ends (else SIGABRT)
 
 

@@ -3,8 +3,9 @@
 05_manual_ddp_gpt2.py teaches DDP's idea in DDPCore (buckets, hooks, overlap, no_sync), bit-identical to PyTorch's
 DDP. Code written for PyTorch's class needs more than the idea: DDP's arguments and defaults, parameters that get
 no gradient (find_unused_parameters, static_graph), uneven inputs (join), communication hooks, delayed parameters,
-pickling, _get_ddp_logging_data() and DDP's wording of its errors. This file adds them, as a subclass that extends
-the core through the methods the core names for that. Use it wherever DistributedDataParallel is constructed:
+pickling, _get_ddp_logging_data() and DDP's wording of its errors. This file adds them, as a subclass that replaces
+the core's methods where they need more (a few of the core's lines repeated: the lesson stays free of hooks for
+this file). Use it wherever DistributedDataParallel is constructed:
 
   from ddp_dropin import ManualDDP
   model = ManualDDP(model, device_ids=[local_rank])   # as DistributedDataParallel(model, device_ids=[local_rank])
@@ -18,6 +19,7 @@ import atexit
 import functools
 import importlib.util
 import itertools
+import math
 import os
 import sys
 import time
@@ -44,7 +46,19 @@ def _load_lesson():
 
 
 lesson = _load_lesson()
-Bucket, DDPCore, NOTHING_TO_AVERAGE, _call = lesson.Bucket, lesson.DDPCore, lesson.NOTHING_TO_AVERAGE, lesson._call
+Bucket, DDPCore, bucket_layout, broadcast_coalesced = lesson.Bucket, lesson.DDPCore, lesson.bucket_layout, \
+    lesson.broadcast_coalesced
+# DDP's own words for a model with nothing to train (PyTorch's tests match on them)
+NOTHING_TO_AVERAGE = ("DistributedDataParallel is not needed when a module doesn't have any parameter that requires "
+                      "a gradient.")
+
+
+def _call(wrapper, method, *args):
+    """Call a method of the wrapper behind a weak reference, if the wrapper still exists (a hook must not keep a
+    dropped wrapper alive)."""
+    target = wrapper()
+    if target is not None:
+        return getattr(target, method)(*args)
 
 
 def _let_gloo_threads_finish():
@@ -94,13 +108,9 @@ class ManualDDP(DDPCore, Joinable):
     (the mean is taken as DDP's default path takes it: times 1/N); dim and check_reduction are unused, as in DDP
     for one device per process; mixed_precision (DDP's experimental, private _MixedPrecision) is not
     implemented: use torch.autocast. Ours: verify=True checks the replicas are identical instead of broadcasting.
-    Everything here extends the core through the methods it calls: each override adds its part and calls the
-    core's, but for four that replace a piece outright: buffers_to_sync (less the names DDP ignores),
-    _sync_module_states (init_sync, verify), _grads_into_buckets (a .grad given only when its gradient comes)
-    and _wait (a communication hook's future). Why each matches DDP the way it does: docs/manual_ddp.md.
+    The constructor and the step's methods are the core's, each with DDP's options added; _maybe_rebuild and
+    no_sync are the core's own. Why each matches DDP the way it does: docs/manual_ddp.md.
     """
-
-    bucket_class = _GradBucket
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None, init_sync=True,
                  process_group=None, bucket_cap_mb=None, find_unused_parameters=False, check_reduction=False,
@@ -124,18 +134,18 @@ class ManualDDP(DDPCore, Joinable):
                           + (" (broadcast_buffers is ignored when both are given)" if forward_sync_buffers is not None
                              else "; note that forward_sync_buffers=False still broadcasts buffers at construction"),
                           FutureWarning, stacklevel=2)
+        nn.Module.__init__(self)  # DDPCore's constructor is not called: its steps are below, with DDP's options
         Joinable.__init__(self)
         atexit.unregister(_let_gloo_threads_finish)  # once per process, however many wrappers
         atexit.register(_let_gloo_threads_finish)
-        # The options first: the core's constructor calls the methods below that read them (all plain values,
-        # which an nn.Module accepts before its __init__).
         self.static_graph, self.find_unused_parameters = static_graph, find_unused_parameters
-        self._init_sync, self._verify, self._cap_list = init_sync, verify, bucket_cap_mb_list
+        self._init_sync, self._verify = init_sync, verify
         # As in DDP 2.14: forward_sync_buffers, if given, wins (and buffers are broadcast at construction); else
         # broadcast_buffers (default True) rules both the broadcast at construction and the one before every forward.
         self._init_sync_buffers = forward_sync_buffers is not None or broadcast_buffers is not False
         if forward_sync_buffers is None:
             forward_sync_buffers = broadcast_buffers is not False
+        self.forward_sync_buffers = forward_sync_buffers
         # Names DDP leaves alone: those the model lists (DDP._set_params_and_buffers_to_ignore_for_model), and the
         # delayed parameters, which travel on their own: one bucket, sent when param_to_hook_all_reduce's gradient
         # is computed (for parameters another parallelism treats first). The trigger is kept in a tuple: as an
@@ -144,17 +154,36 @@ class ManualDDP(DDPCore, Joinable):
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | set(delayed)
         self._delayed = [_GradBucket(list(delayed.values()), [])] if delayed else []  # zero or one bucket
         self._delay_trigger = (param_to_hook_all_reduce,) if delayed else ()
-        trained = [p for n, p in module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
-        devices = {p.device for p in trained + list(delayed.values())}
+        named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
+        self.names, self.params = [n for n, p in named if p.requires_grad], [p for _, p in named if p.requires_grad]
+        devices = {p.device for p in self.params + list(delayed.values())}
         self.device_ids, self.output_device = self._check_device_ids(device_ids, output_device, devices)
-        group = device_mesh.get_group(0) if device_mesh is not None else process_group
-        super().__init__(module, group, bucket_cap_mb, forward_sync_buffers)
+        if not self._delayed and not self.params:
+            raise RuntimeError(NOTHING_TO_AVERAGE)
+        # DDPCore's constructor from here, with the options above.
+        self.module, self.process_group = module, process_group or dist.group.WORLD
         if device_mesh is not None:
+            self.process_group = device_mesh.get_group(0)
             self.device_mesh = device_mesh  # as DDP: set only when given
+        self.world = self._divisor = dist.get_world_size(self.process_group)  # join() may change the divisor
+        self.require_backward_grad_sync = self.require_forward_param_sync = True
+        self.device = next(module.parameters()).device
+        self._sync_module_states([p for _, p in named])
+        self._caps = [1 << 20, 25 << 20] if bucket_cap_mb is None else [int(bucket_cap_mb * (1 << 20))]
+        if bucket_cap_mb_list:
+            self._caps = [int(c * (1 << 20)) for c in bucket_cap_mb_list]
+        # bucket_cap_mb_list caps each bucket in turn from the start. With find_unused_parameters the graph may
+        # change from one iteration to the next, so DDP cuts the buckets by size at once and never rebuilds them.
+        never_rebuilt = find_unused_parameters and not static_graph
+        first_caps = self._caps if bucket_cap_mb_list or never_rebuilt else [math.inf]
+        self._set_buckets(sorted(bucket_layout(self.params, range(len(self.params)), first_caps), key=min,
+                                 reverse=True))
+        self._rebuilt, self._order = never_rebuilt, []
+        self._next, self._queued = 0, False
+        self._register_hooks()
         self.dim, self.gradient_as_bucket_view = dim, gradient_as_bucket_view
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self._first_sizes = ", ".join(str(b.flat.numel() * b.flat.element_size()) for b in self.buckets)
-        self._rebuilt = find_unused_parameters and not static_graph  # never rebuilt then
         self._syncs, self._hook = 0, None  # synced backwards so far; the communication hook
         self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
         self._unused, self._graph_static = [], True  # find_unused_parameters: for _get_ddp_logging_data
@@ -164,13 +193,7 @@ class ManualDDP(DDPCore, Joinable):
         # errors at the next forward, and the last one for _get_ddp_logging_data.
         self._expect_finish, self._unreduced, self._error = False, [], None
 
-    # -- the core's extension points --
-    def _parameters_to_sync(self):
-        named = [(n, p) for n, p in super()._parameters_to_sync() if n not in self.parameters_to_ignore]
-        if not self._delayed and not any(p.requires_grad for _, p in named):
-            raise RuntimeError(NOTHING_TO_AVERAGE)
-        return named
-
+    # -- construction: DDP's options --
     @property
     def buffers_to_sync(self):
         return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
@@ -188,21 +211,21 @@ class ManualDDP(DDPCore, Joinable):
         if self._init_sync and self.params:  # DDP skips it when every trained parameter is delayed
             self._broadcast(state, src=0)
 
-    def _bucket_caps(self, bucket_cap_mb):
-        """bucket_cap_mb_list caps each bucket in turn. With find_unused_parameters the graph may change from one
-        iteration to the next, so DDP cuts the buckets by size at once (small first one included) and keeps them."""
-        first, caps = super()._bucket_caps(bucket_cap_mb)
-        if self._cap_list:
-            caps = [int(c * (1 << 20)) for c in self._cap_list]
-            return caps, caps
-        if self.find_unused_parameters and not self.static_graph:
-            return caps, caps
-        return first, caps
+    def _broadcast(self, tensors, src):
+        broadcast_coalesced(tensors, src, self.process_group)
 
     def _set_buckets(self, layout):
-        super()._set_buckets(layout)
-        for k, b in enumerate(self.buckets):  # what a communication hook reads: bucket.index(), is_last()
+        """The core's, with buckets that answer what a communication hook asks (index(), is_last(), ...)."""
+        grads = [p.grad for p in self.params]
+        self.buckets = [_GradBucket([self.params[i] for i in idx], list(idx)) for idx in layout]
+        self._where = [None] * len(self.params)
+        for k, b in enumerate(self.buckets):
             b._index, b._count = k, len(self.buckets)
+            for slot, i in enumerate(b.indices):
+                self._where[i] = (b, slot)
+                if grads[i] is not None:  # gradients accumulated so far (no_sync) move into the new buckets
+                    b.views[slot].copy_(grads[i])
+                    self.params[i].grad = b.views[slot]
         self._index_slots()
 
     def _index_slots(self):
@@ -210,8 +233,9 @@ class ManualDDP(DDPCore, Joinable):
         self._slot = {id(p): (b, slot) for b in self.buckets + self._delayed for slot, p in enumerate(b.params)}
 
     def _register_hooks(self):
-        super()._register_hooks()
         me = weakref.ref(self)
+        for i, p in enumerate(self.params):  # the core's
+            p.register_post_accumulate_grad_hook(functools.partial(_call, me, "_on_grad_ready", i))
         for p in self.params + (self._delayed[0].params if self._delayed else []):
             p.register_hook(functools.partial(_call, me, "_grad_arriving", p))
         for p in self._delay_trigger:
@@ -228,13 +252,28 @@ class ManualDDP(DDPCore, Joinable):
             self._check_prior_reduction()
         if self.device_ids:  # as DDP: inputs move to this process's GPU
             inputs, kwargs = _to_device((inputs, kwargs), torch.device(self.device.type, self.device_ids[0]))
-        return super().forward(*inputs, **kwargs)
+        # The core's forward from here; the buffers DDP syncs, under join() from a rank still training.
+        if torch.is_grad_enabled():
+            if self.require_backward_grad_sync:
+                self._maybe_rebuild()
+            self._grads_into_buckets()
+        if self.will_sync_module_buffers():
+            self._broadcast(self.buffers_to_sync, self._common_rank(True) if self._joining else 0)
+        output = self.module(*inputs, **kwargs)
+        self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        return output
 
     def _grads_into_buckets(self):
         """Unlike the core, a missing .grad becomes its (zeroed) slot only when its gradient arrives
         (_grad_arriving): a parameter that backward never reaches keeps .grad None, as under DDP."""
         for b in self.buckets + self._delayed:
-            b.zeroed = set(self._zero_missing(b))
+            missing = [slot for slot, p in enumerate(b.params) if p.grad is None]
+            if len(missing) == len(b.params):
+                b.flat.zero_()
+            else:
+                for slot in missing:
+                    b.views[slot].zero_()
+            b.zeroed = set(missing)
         # The parameters whose .grad this forward created (find_unused_parameters: None again if no rank used them)
         self._fresh = {b.indices[slot] for b in self.buckets for slot in b.zeroed}
 
@@ -264,13 +303,19 @@ class ManualDDP(DDPCore, Joinable):
             self._left[i] -= 1
             if self._left[i] > 0:
                 return  # this gradient is not complete yet
-        super()._on_grad_ready(i, p)
+        if not self.require_backward_grad_sync:  # the core's, from here
+            return
+        self._queue_finish()
+        if not self._rebuilt:
+            self._order.append(i)
+        bucket, slot = self._where[i]
+        self._mark_ready(bucket, slot)
+        self._launch_ready()
 
     def _queue_finish(self):
         if not self._queued:
-            self._expect_finish = True
-            self._left = list(self._hook_counts)
-        super()._queue_finish()
+            self._queued, self._expect_finish, self._left = True, True, list(self._hook_counts)
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def _mark_ready(self, bucket, slot):
         p, i = bucket.params[slot], bucket.indices[slot]
@@ -278,12 +323,20 @@ class ManualDDP(DDPCore, Joinable):
             raise RuntimeError(f"ManualDDP: the gradient of {self.names[i]} became ready twice in one backward "
                                "(reentrant activation checkpointing of a module also used outside it?). Use "
                                "torch.utils.checkpoint(..., use_reentrant=False), or static_graph=True.")
+        view = bucket.views[slot]
         if p.grad is None:  # no gradient on this rank (an unused parameter): it counts as zero in the mean
             self._fresh.add(i)
-            bucket.views[slot].zero_()
-            p.grad = bucket.views[slot]
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():  # backward replaced .grad instead of adding into it
+            view.copy_(p.grad)
+        p.grad = view
         bucket.ready[slot] = True
-        super()._mark_ready(bucket, slot)
+        bucket.pending -= 1
+
+    def _launch_ready(self):
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
 
     def _launch(self, b):
         # skip_all_reduce_unused_params: a bucket no parameter of which was used here is not sent (every rank must
@@ -294,7 +347,8 @@ class ManualDDP(DDPCore, Joinable):
         if self._hook is not None:  # a communication hook decides how to average (it divides, not us)
             b.future = self._hook[1](self._hook[0], b)
             return
-        super()._launch(b)
+        b.flat.mul_(1 / self._divisor)  # the core's, with join()'s divisor
+        b.work = dist.all_reduce(b.flat, group=self.process_group, async_op=True)
         b.future = b.work.get_future()
 
     def _finish(self):
@@ -311,9 +365,10 @@ class ManualDDP(DDPCore, Joinable):
             self._unused = unused
             self._used_work = dist.all_reduce(self._used, group=self.process_group, async_op=True)  # kept: Bucket
             self._used_work.wait()  # which parameters some rank used
-        super()._finish()
-        for b in self._delayed:
+        self._queued, self._next = False, 0
+        for b in self.buckets + self._delayed:
             self._wait(b)
+            b.pending = len(b.params)
         if self.find_unused_parameters:  # as DDP: a parameter no rank used keeps .grad untouched (None)
             for i in (self._used == 0).nonzero().flatten().tolist():
                 if i in self._fresh:
@@ -331,11 +386,6 @@ class ManualDDP(DDPCore, Joinable):
         if result.data_ptr() != b.flat.data_ptr():  # a hook may return another tensor: take its values
             b.flat.copy_(result)
         b.future = None
-
-    def _sync_buffers(self, src=0):
-        if self._joining:  # rank 0 may have joined and hold stale buffers: take a rank still training
-            src = self._common_rank(True)
-        super()._sync_buffers(src)
 
     # -- DDP's errors for a parameter without a gradient --
     def _missing(self):

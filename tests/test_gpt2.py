@@ -139,12 +139,17 @@ def check_one_line_errors(tmp_path, cases):
 
 
 def test_inputs_only_the_model_or_data_reveal_are_one_line(tiny_models, tmp_path):
-    """Found after loading, as one line and exit 2: too little data, a --seq-len beyond the model's positions, a
-    diverging run, and an --out holding files no run of 05 wrote (left as it was)."""
-    foreign = tmp_path / "foreign"
+    """Found after loading, as one line and exit 2: an empty --dataset file or directory, too little data, a
+    --seq-len beyond the model's positions, a diverging run, and an --out holding files no run of 05 wrote (left
+    as it was)."""
+    foreign, empty_dir = tmp_path / "foreign", tmp_path / "empty_dir"
     foreign.mkdir()
+    empty_dir.mkdir()
     (foreign / "notes.txt").write_text("mine")
+    (tmp_path / "empty.txt").write_text("")
     check_one_line_errors(tmp_path, [
+        (["--dataset", tmp_path / "empty.txt"], f"--dataset {tmp_path / 'empty.txt'} is empty: no text to train on"),
+        (["--dataset", empty_dir], f"--dataset {empty_dir} is empty: no files in it"),
         (["--seq-len", "100000"], "too few for 1 ranks"),
         (["--model", tiny_models / "gpt2", "--seq-len", "65"], "--seq-len 65 exceeds the model's 64 positions"),
         (["--lr", "1e6", "--max-steps", "8"], "training diverged: loss nan at step"),
