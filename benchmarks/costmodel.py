@@ -64,8 +64,8 @@ def lesson_module():
 # busbw in GB/s (NCCL's bus bandwidth, nccl-tests' definition: what each rank's link moves per second);
 # alpha in seconds per step (intra: a ring step over NVLink/PCIe; inter: a tree hop across the network).
 # Across nodes a ring's bus bandwidth is what one node's NICs move together, each direction (NCCL runs one ring
-# per NIC, each carrying its share): predict's --inter-node-gbps. memory_gib: the card's memory as nvidia-smi
-# counts it (80 GB cards: 80 GiB; an H100 SXM shows 79.6 usable). Every figure is a default that predict's
+# per NIC, each carrying its share): predict's --inter-node-gbps. memory_gib: the card's nominal memory, taken as
+# GiB (what the verdict compares the prediction with; keep headroom). Every figure is a default that predict's
 # --intra-node-gbps, --inter-node-gbps, --gpu-mem-gib and --peak-tflops replace.
 HARDWARE = {
     "h100-nvlink": dict(
@@ -393,12 +393,13 @@ def activation_bytes(m, seq, batch, checkpointing="none", attention="flash"):
 
 
 def flops_per_token(m, params, seq, checkpointing="none", attention="flash"):
-    """(model FLOPs, hardware FLOPs) a token, as published MFU tables count them (PaLM, Chowdhery et al. 2022,
-    appendix B; nanoGPT; llm-foundry's benchmarking README): 6 N (N: every parameter) plus attention's
-    12 L d s (QK^T and AV, 2 s d multiply-adds each a token a layer forward, twice that backward), causal masking
-    not discounted. Hardware FLOPs add what recomputation computes again: full, one more forward (1/3 of the model
-    FLOPs: 4/3 in all, as llm-foundry's HFU counts it); selective, the attention core's forward, 4 L d s, with
-    eager attention (flash attention's backward recomputes it anyway, and published HFU leaves that out)."""
+    """(model FLOPs, hardware FLOPs) a token, as published MFU tables count them (PaLM's MFU, Chowdhery et al.
+    2022; nanoGPT's estimate_mfu; llm-foundry's benchmarking README): 6 N (N: every parameter) plus attention's
+    12 L d s (QK^T and AV: s d multiply-adds each, 4 s d FLOPs a token a layer forward, twice that backward),
+    causal masking not discounted. Hardware FLOPs add what recomputation computes again: full, one more forward
+    (1/3 of the model FLOPs: 4/3 in all, as llm-foundry's HFU counts it); selective, the attention core's forward,
+    4 L d s, with eager attention (flash attention's backward recomputes it anyway, and published HFU leaves that
+    out)."""
     attention_flops = 12 * m["layers"] * m["d"] * seq
     model = 6 * params + attention_flops
     again = {"none": 0, "selective": attention_flops / 3 if attention == "eager" else 0, "full": model / 3}
