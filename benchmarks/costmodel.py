@@ -406,6 +406,23 @@ def flops_per_token(m, params, seq, checkpointing="none", attention="flash"):
     return model, model + again[checkpointing]
 
 
+def sent_per_step(strategy, params, gpus, gpus_per_node=8, accum=1):
+    """Bytes each GPU sends a step (a ring sends (n-1)/n of the tensor a pass: an all-reduce two passes, a
+    reduce-scatter or all-gather one), bf16 parameters and gradients: what each strategy communicates per
+    micro-batch and per step. DDP, ZeRO-1: once a step (no_sync); ZeRO-2: a reduce-scatter every micro-batch, an
+    all-gather a step; FSDP: two all-gathers and a reduce-scatter every micro-batch; HSDP: those within the node
+    every micro-batch, its 1/g shard all-reduced across the nodes once a step."""
+    size = 2 * params
+
+    def ring(n):
+        return (n - 1) / n if n > 1 else 0.0
+
+    shard = min(gpus, gpus_per_node)
+    return {"ddp": 2 * ring(gpus) * size, "zero1": 3 * ring(gpus) * size,
+            "zero2": (accum + 1) * ring(gpus) * size, "fsdp": accum * 3 * ring(gpus) * size,
+            "hsdp": accum * 3 * ring(shard) * size + 2 * ring(gpus // shard) * size / shard}[strategy]
+
+
 def predict(model, gpus, gpus_per_node=8, hardware="h100-ib", strategy="ddp", batch=4, seq=None, mfu=None,
             bucket_mb=None, hfu=None, activation_checkpointing="none", grad_accum=1, attention="flash",
             gpu_mem_gib=None, inter_node_gbps=None, intra_node_gbps=None, peak_tflops=None, prefetch=True,
@@ -478,7 +495,8 @@ def predict(model, gpus, gpus_per_node=8, hardware="h100-ib", strategy="ddp", ba
                 hfu=hfu if hfu is not None else mfu * hw_flops / model_flops,
                 achieved_mfu=per_gpu * model_flops / peak, flops_per_token=model_flops,
                 hardware_flops_per_token=hw_flops, activation_checkpointing=activation_checkpointing,
-                attention=attention, grad_accum=grad_accum, global_batch_tokens=tokens * grad_accum * gpus)
+                attention=attention, grad_accum=grad_accum, global_batch_tokens=tokens * grad_accum * gpus,
+                sent_gb_per_gpu_per_step=sent_per_step(strategy, params, gpus, gpus_per_node, grad_accum) / GB)
 
 
 def zero_table(params=7.5e9, degrees=(1, 4, 16, 64, 256, 1024)):
@@ -729,7 +747,7 @@ def collective_main(args):
 JSON_KEYS = ("step_ms", "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "exposed_comm_ms",
              "memory_gib_per_gpu", "gpu_mem_gib", "fits", "best_bucket_mb", "utilization", "mfu", "hfu",
              "achieved_mfu", "flops_per_token", "hardware_flops_per_token", "activation_checkpointing", "attention",
-             "grad_accum", "global_batch_tokens", "params")
+             "grad_accum", "global_batch_tokens", "sent_gb_per_gpu_per_step", "params")
 
 
 def predict_main(args):
@@ -751,7 +769,7 @@ def predict_main(args):
           f"{args.grad_accum} a step, checkpointing {args.activation_checkpointing}:")
     print(f"  step {out['step_ms']:.1f} ms, {out['tokens_per_s']:,.0f} tokens/s ({out['tokens_per_s_per_gpu']:,.0f} "
           f"a GPU), scaling efficiency {out['scaling_efficiency']:.2f} (exposed communication "
-          f"{out['exposed_comm_ms']:.1f} ms)")
+          f"{out['exposed_comm_ms']:.1f} ms); each GPU sends {out['sent_gb_per_gpu_per_step']:.1f} GB a step")
     print(f"  compute at {given.upper()} {out[given]:.3f} (so {'HFU' if given == 'mfu' else 'MFU'} "
           f"{out['hfu' if given == 'mfu' else 'mfu']:.3f}); {out['flops_per_token'] / 1e9:.2f} GFLOPs a token for the "
           f"model, {out['hardware_flops_per_token'] / 1e9:.2f} computed; MFU of the whole step "

@@ -12,7 +12,7 @@ import launch
 KEYS = {"step_ms", "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "exposed_comm_ms",
         "memory_gib_per_gpu", "gpu_mem_gib", "fits", "best_bucket_mb", "utilization", "mfu", "hfu", "achieved_mfu",
         "flops_per_token", "hardware_flops_per_token", "activation_checkpointing", "attention", "grad_accum",
-        "global_batch_tokens", "params"}
+        "global_batch_tokens", "sent_gb_per_gpu_per_step", "params"}
 
 
 def costmodel():
@@ -266,6 +266,15 @@ def test_accumulation_pays_off_where_the_strategy_communicates_once_a_step():
         assert out["step_ms"] == pytest.approx(ddp[1]["step_ms"] + (k - 1) * micro)
     fsdp = [cm.predict(**run, strategy="fsdp", grad_accum=k)["tokens_per_s_per_gpu"] for k in (1, 8)]
     assert fsdp[1] == pytest.approx(fsdp[0], rel=0.01)
+    # What each GPU sends a step, per strategy: P = the bf16 parameters' bytes, a ring pass sends 63/64 of them
+    sent = {(s, k): cm.predict(**run, strategy=s, grad_accum=k)["sent_gb_per_gpu_per_step"]
+            for s in ("ddp", "zero1", "zero2", "fsdp", "hsdp") for k in (1, 8)}
+    P, ring = 2 * 1_557_611_200 / 1e9, 63 / 64
+    assert sent["ddp", 1] == sent["ddp", 8] == pytest.approx(2 * ring * P)  # one all-reduce a step
+    assert sent["zero1", 8] == pytest.approx(3 * ring * P)  # all-reduce, then all-gather the parameters
+    assert sent["zero2", 8] == pytest.approx((8 + 1) * ring * P)  # a reduce-scatter a micro-batch, one all-gather
+    assert sent["fsdp", 8] == pytest.approx(8 * 3 * ring * P)  # two all-gathers and a reduce-scatter each
+    assert sent["hsdp", 8] == pytest.approx(8 * 3 * 7 / 8 * P + 2 * 7 / 8 * P / 8)  # 8 nodes of 8
     # ZeRO-2 reduce-scatters every micro-batch, all-gathers once a step: each micro-batch adds the same exposed time
     zero2 = [cm.predict(**run, strategy="zero2", grad_accum=k, bucket_mb=25)["exposed_comm_ms"] for k in (1, 2, 8)]
     assert zero2[1] > zero2[0] and zero2[2] - zero2[0] == pytest.approx(7 * (zero2[1] - zero2[0]))
