@@ -1,0 +1,441 @@
+"""debug_tools.py - what to take to your own distributed job when it hangs or its replicas drift apart.
+
+One file, no other file of this repository needed: copy it beside your script, or run it from here.
+
+  In your training script:
+    from debug_tools import check_replicas, flight_recorder
+    check_replicas(model, optimizer)   # drift: raises on every rank, naming the tensor, the ranks and by how much
+    with flight_recorder("fr"):        # hangs: each rank's record of its collectives, written to fr/rank_<R>
+        train(...)                     #   when the block ends, on an error, and when a collective waits too long
+
+  From a shell, while the job hangs (PID: torchrun's agent, or any rank):
+    python debug_tools.py stacks PID            every rank's Python stack, labelled by rank, and where each waits
+    python debug_tools.py stacks PID --native   ... with the C++ frames that say what it waits for (DDP's reducer)
+    python debug_tools.py fr fr                 which collective each rank reached, and where the ranks part
+
+The lesson that uses them, with a scenario for each: 09_debugging.py; the troubleshooting table: docs/debugging.md.
+"""
+
+import argparse
+import contextlib
+import math
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+NOT_SEEN = "not compared: RNG states, the data each rank reads, gradients"
+
+
+# --- drift: are the replicas the same? ---
+def check_replicas(module, optimizer=None, group=None):
+    """Compare, across the ranks of `group`, everything a replica holds: every parameter, buffer and plain tensor
+    attribute (a tensor kept in `self.x`, or in a list or dict there) of every submodule, which submodules are in
+    eval mode, and, given `optimizer`, its state (momentum, Adam's moments and step) and its hyperparameters (lr).
+    Works on a plain module and on a DDP-style wrapper (its `.module` is compared), tensors on any device, any dtype,
+    bit for bit. Returns a one-line summary when all agree; otherwise raises RuntimeError on every rank alike,
+    naming the first tensor that differs, the ranks that differ from rank 0 and the largest difference (a tensor
+    whose shape or dtype differs between ranks, or that some ranks lack, is named, not compared).
+    It cannot see what is not a tensor of the model or optimizer: RNG states, the data each rank reads, gradients.
+    Cost: one broadcast of the replica's bytes plus two small all-gathers; call it every N steps, on every rank."""
+    group = group or dist.group.WORLD
+    world, src = dist.get_world_size(group), dist.get_global_rank(group, 0)
+    tensors, facts = _replica_state(module, optimizer)
+    # First what each rank holds (names, dtypes, shapes, eval modes, lr): tensors of different layouts cannot be
+    # compared byte for byte, and a broadcast of one length paired with another's would fail or hang.
+    mine = {"layout": {n: (str(t.dtype)[6:], tuple(t.shape)) for n, t in tensors.items()}, "facts": facts}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    problems = _layout_problems([x["layout"] for x in everyone]) + _fact_problems([x["facts"] for x in everyone])
+    common = [n for n in everyone[0]["layout"] if all(x["layout"].get(n) == everyone[0]["layout"][n] for x in everyone)]
+    # Then the bytes: rank 0's broadcast to all, every rank compares its own; one flat buffer per 64 MiB.
+    device = _comm_device(group)
+    diffs = torch.zeros(len(common), dtype=torch.float64, device=device)
+    for first, last in _chunks([tensors[n] for n in common], 64 << 20):
+        flat = torch.cat([_bytes(tensors[n]).to(device) for n in common[first:last]])
+        ref = flat.clone()
+        dist.broadcast(ref, src=src, group=group)
+        offset = 0
+        for i in range(first, last):
+            t = tensors[common[i]]
+            n = t.numel() * t.element_size()
+            if not torch.equal(flat[offset:offset + n], ref[offset:offset + n]):  # only a differing tensor pays more
+                theirs = ref[offset:offset + n].view(t.dtype).view(t.shape).to(t.device)
+                worst = (_wide(t) - _wide(theirs)).abs().max().item() if t.numel() else 0.0
+                diffs[i] = worst if worst > 0 else math.nan  # bits differ, values do not (NaN, -0.0): flag it
+            offset += n
+    # Every rank gathers every rank's differences: the same table everywhere, so every rank raises the same error.
+    table = [torch.empty_like(diffs) for _ in range(world)]
+    dist.all_gather(table, diffs, group=group)
+    table = torch.stack(table).cpu()
+    for i in table.amax(0).nonzero().flatten().tolist():
+        t, ranks = tensors[common[i]], table[:, i].nonzero().flatten().tolist()
+        worst = table[:, i].nan_to_num(0).max().item()
+        by = f"by up to {worst:.3g}" if worst > 0 else "in its bits only (NaN or -0.0)"
+        problems.append(f"{common[i]} ({str(t.dtype)[6:]}, {tuple(t.shape)}) on rank(s) {ranks} differs from rank "
+                        f"0's {by}")
+    if problems:
+        more = f" ({len(problems)} differences in all; then: {'; '.join(problems[1:4])})" if len(problems) > 1 else ""
+        raise RuntimeError(f"replicas differ: {problems[0]}{more}")
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    return f"replicas identical on {world} ranks: {len(tensors)} tensors, {size / 2**20:.1f} MiB ({NOT_SEEN})"
+
+
+def _replica_state(module, optimizer):
+    """({name: tensor}, {name: plain value}) of the replica: what check_replicas compares."""
+    prefix = ""
+    # A DDP-style wrapper (PyTorch's DDP, or one written by hand) holds the replica in .module; its own tensors are
+    # its machinery (gradient buckets, per-rank flags), which may rightly differ between ranks.
+    while isinstance(getattr(module, "module", None), nn.Module) and \
+            {id(p) for p in module.parameters()} == {id(p) for p in module.module.parameters()}:
+        module, prefix = module.module, prefix + "module."
+    tensors, seen, facts = {}, set(), {}
+
+    def add(name, t):
+        if isinstance(t, torch.Tensor) and id(t) not in seen and not t.is_sparse and t.device.type != "meta":
+            seen.add(id(t))  # a tensor shared by two names (tied weights) is compared once
+            tensors[name] = t.detach()
+
+    for mname, m in module.named_modules():
+        at = prefix + mname + "." if mname else prefix
+        for n, p in m.named_parameters(recurse=False):
+            add(at + n, p)
+        for n, b in m.named_buffers(recurse=False):
+            add(at + n, b)
+        for n, v in vars(m).items():  # plain attributes: neither DDP's broadcast nor load_state_dict touches them
+            if isinstance(v, (list, tuple)):
+                for i, x in enumerate(v):
+                    add(f"{at}{n}[{i}]", x)
+            elif isinstance(v, dict) and not n.startswith("_"):
+                for k, x in v.items():
+                    add(f"{at}{n}[{k!r}]", x)
+            else:
+                add(at + n, v)
+        if not m.training:
+            facts[f"{(at or '(the model)').rstrip('.')} in eval mode"] = True
+    if optimizer is not None:
+        names = {id(p): n for n, p in module.named_parameters()}
+        for g, params in enumerate(optimizer.param_groups):
+            for k, v in params.items():
+                if k != "params" and (v is None or isinstance(v, (bool, int, float, str, tuple))):
+                    facts[f"optimizer param_groups[{g}][{k!r}]"] = v
+            for p in params["params"]:
+                for k, v in optimizer.state.get(p, {}).items():
+                    name = f"optimizer state[{prefix}{names.get(id(p), f'group {g} param')}][{k!r}]"
+                    if isinstance(v, torch.Tensor):
+                        add(name, v)
+                    else:
+                        facts[name] = v
+    return tensors, facts
+
+
+def _layout_problems(layouts):
+    problems = []
+    for name in dict.fromkeys(n for layout in layouts for n in layout):  # every name, in first-seen order
+        have = {r: layout.get(name) for r, layout in enumerate(layouts)}
+        if None in have.values():
+            problems.append(f"{name} exists on rank(s) {[r for r, x in have.items() if x]} only")
+        elif len(set(have.values())) > 1:
+            problems.append(f"{name} has a different dtype or shape: " +
+                            ", ".join(f"rank {r} {d} {s}" for r, (d, s) in have.items()))
+    return problems
+
+
+def _fact_problems(facts):
+    problems = []
+    for name in dict.fromkeys(n for f in facts for n in f):
+        values = [f.get(name, "absent" if "eval mode" not in name else False) for f in facts]
+        if any(v != values[0] for v in values):
+            if "eval mode" in name:  # a rank that evaluated and never called model.train() again
+                problems.append(f"{name} on rank(s) {[r for r, v in enumerate(values) if v]} only")
+            else:
+                problems.append(f"{name} is " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)))
+    return problems
+
+
+def _comm_device(group):
+    """Where the group's collectives take tensors: the CPU for gloo, this rank's GPU for NCCL."""
+    backend = str(dist.get_backend(group))
+    if "gloo" not in backend and "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _bytes(t):  # compare bits, not values: bf16, ints and bool alike; NaN equals itself
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _wide(t):
+    return t.to(torch.complex128) if t.is_complex() else t.double()
+
+
+def _chunks(tensors, most):
+    """(first, last) index ranges of `tensors` whose bytes add up to at most `most` (at least one tensor each)."""
+    first, size = 0, 0
+    for i, t in enumerate(tensors):
+        n = t.numel() * t.element_size()
+        if i > first and size + n > most:
+            yield first, i
+            first, size = i, 0
+        size += n
+    if first < len(tensors):
+        yield first, len(tensors)
+
+
+# --- hangs: the Flight Recorder, on gloo and NCCL ---
+@contextlib.contextmanager
+def flight_recorder(dump_dir, hang_s=60.0):
+    """Record this process's collectives (PyTorch's Flight Recorder) and write the record to `dump_dir`/rank_<R>
+    when the block ends, normally or by an exception (a timeout, a peer that died), and whenever a collective has
+    waited `hang_s` seconds: a hang leaves a record long before the group's timeout (10 or 30 minutes) ends it.
+    Use it on every rank; then `python debug_tools.py fr DIR` says which collective each rank reached.
+
+    PyTorch 2.14 records by default (2000 entries, TORCH_FR_BUFFER_SIZE), on gloo as on NCCL; it reads the variables
+    below when the process group is created. Entered before init_process_group, this block also sets them for
+    NCCL, whose watchdog then writes its own record (same file names) on a timeout, even from a rank stuck in a
+    kernel; entered later, only this block's own records are written."""
+    os.makedirs(dump_dir, exist_ok=True)
+    if not dist.is_initialized():
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(os.path.abspath(dump_dir), "rank_")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    done = threading.Event()
+    watchdog = threading.Thread(target=_watch, args=(dump_dir, hang_s, done), daemon=True)
+    watchdog.start()  # a thread: the main thread may be blocked in C++, but gloo and NCCL waits release the GIL
+    try:
+        yield
+    except BaseException as e:
+        _dump(dump_dir, f"on {type(e).__name__}: {str(e).strip()[:120]}")
+        raise
+    finally:
+        done.set()
+        watchdog.join()
+    _dump(dump_dir, "at the end of the block")
+
+
+def _watch(dump_dir, hang_s, done):
+    dumped = None
+    while not done.wait(min(1.0, hang_s / 4)):
+        if not dist.is_initialized():
+            continue
+        pending = [e for e in _trace(stacks=False)["entries"] if not e.get("retired", True)]
+        oldest = min(pending, key=lambda e: e["time_created_ns"], default=None)
+        if oldest and time.time_ns() - oldest["time_created_ns"] > hang_s * 1e9 and oldest["record_id"] != dumped:
+            dumped = oldest["record_id"]
+            _dump(dump_dir, f"{oldest['profiling_name']} #{oldest['collective_seq_id']} waiting > {hang_s:g} s")
+
+
+def _trace(stacks=True):
+    """This process's Flight Recorder record (PyTorch has no public call for it in 2.14: the private one is here,
+    not in your script). NCCL's collectives are in the CUDA recorder, gloo's in the generic one."""
+    c10d = torch._C._distributed_c10d
+    nccl = dist.is_initialized() and "nccl" in str(dist.get_backend()) and hasattr(c10d, "_dump_nccl_trace")
+    trace = pickle.loads((c10d._dump_nccl_trace if nccl else c10d._dump_fr_trace)(True, stacks, False))
+    # gloo names its groups '' in pg_config where the entries say '0', '1', ...: torch's analyser needs them to agree.
+    if "" in trace.get("pg_config", {}):
+        config = trace["pg_config"].pop("")
+        for name, desc in {e["process_group"] for e in trace["entries"]} - set(trace["pg_config"]):
+            trace["pg_config"][name] = {**config, "name": name, "desc": desc}
+    return trace
+
+
+def _dump(dump_dir, why):
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    path = os.path.join(dump_dir, f"rank_{rank}")
+    with open(path + ".part", "wb") as f:  # then renamed: the analyser never reads half a file
+        pickle.dump(_trace(), f)
+    os.replace(path + ".part", path)
+    print(f"[flight_recorder] rank {rank}: wrote {path} ({why}); read it: python debug_tools.py fr {dump_dir}",
+          file=sys.stderr, flush=True)
+
+
+def read_records(dump_dir):
+    """{rank: record} from the rank_<R> files in dump_dir (ours, or NCCL's own with TORCH_FR_DUMP_TEMP_FILE)."""
+    records = {}
+    for f in os.listdir(dump_dir):
+        if m := re.fullmatch(r".*?(\d+)", f):
+            with open(os.path.join(dump_dir, f), "rb") as fh:
+                records[int(m.group(1))] = pickle.load(fh)
+    return dict(sorted(records.items()))
+
+
+LIBRARY = re.compile(r"site-packages|dist-packages|/lib/python3|^<")  # torch and the standard library, not yours
+
+
+def where(frames):
+    """The innermost frame outside torch and the standard library: the line of your code that made the call."""
+    for f in frames:
+        if not LIBRARY.search(f["filename"]):
+            return f"{f['name']} ({os.path.basename(f['filename'])}:{f['line']})"
+    return "?"
+
+
+def summarize_records(records):
+    """Lines saying what each rank's last collectives were and the first collective on which the ranks part."""
+    lines, by_seq = [], {}
+    for rank, record in records.items():
+        coll = [e for e in record["entries"] if not e.get("is_p2p")]
+        if not coll:
+            lines.append(f"rank {rank}: no collective recorded")
+            continue
+        last, status = coll[-1], record.get("pg_status", {}).get(coll[-1]["process_group"][0], {})
+        done = last["collective_seq_id"] <= status.get("last_completed_collective", math.inf)
+        lines.append(f"rank {rank}: {len(coll)} collectives; the last, #{last['collective_seq_id']}, {call(last)}, "
+                     + ("completed" if done else "never completed"))
+        for e in coll:
+            by_seq.setdefault((e["process_group"][0], e["collective_seq_id"]), {})[rank] = e
+    for (pg, seq), ranks in sorted(by_seq.items(), key=lambda kv: kv[0][1]):
+        calls = {}
+        for r in records:  # the ranks grouped by the call they made at this point
+            calls.setdefault(call(ranks[r]) if r in ranks else "nothing: it never got there", []).append(r)
+        if len(calls) > 1:
+            lines.append(f"the ranks part at collective #{seq} of group {pg}:")
+            lines += [f"  rank(s) {rs}: {c}" for c, rs in calls.items()]
+            return lines
+    return lines + ["every rank issued the same collectives, in the same order"]
+
+
+def call(entry):
+    """'gloo:all_gather [[8, 1]] from evaluate (train.py:47)': the collective and the line of your code."""
+    return f"{entry['profiling_name']} {entry['input_sizes']} from {where(entry.get('frames', []))}"
+
+
+# --- hangs: every rank's stack ---
+def rank_processes(pid):
+    """{rank: pid} of the job that `pid` belongs to, on this machine: the agent's workers (torchrun), or the
+    processes started beside `pid` with the same MASTER_PORT. RANK is read from each /proc/PID/environ."""
+    env = _environ(pid)
+    root = _ppid(pid) if "RANK" in env else pid
+    port = env.get("MASTER_PORT") if "RANK" in env else None  # a rank's siblings: the same job, not another one
+    tree, found, todo = _children(), {}, [root]
+    while todo:  # breadth first: a rank before its own children (DataLoader workers inherit RANK)
+        p = todo.pop(0)
+        todo += tree.get(p, [])
+        e = _environ(p)
+        if "RANK" in e and port in (None, e.get("MASTER_PORT")) and _ppid(p) not in found.values():
+            found.setdefault(int(e["RANK"]), p)
+    return dict(sorted(found.items())) or ({int(env.get("RANK", 0)): pid} if env else {})
+
+
+def _environ(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
+    except OSError:
+        return {}
+
+
+def _ppid(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _children():
+    tree = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit() and (ppid := _ppid(int(d))) is not None:
+            tree.setdefault(ppid, []).append(int(d))
+    return tree
+
+
+NATIVE_WAIT = re.compile(r" *(c10d::|gloo::|nccl|torch::distributed::)")  # a C++ frame of PyTorch's communication
+PTRACE_HELP = ("py-spy reads another process's memory, which needs ptrace permission: run it as root (sudo), or allow "
+               "it (sudo sysctl kernel.yama.ptrace_scope=0); in a container start it with --cap-add SYS_PTRACE "
+               "(Kubernetes: securityContext.capabilities.add [SYS_PTRACE])")
+
+
+def stacks(pid, native=False):
+    """Every rank's stack (py-spy dump, all ranks at once), labelled by rank, then one line per rank: where it waits."""
+    if not shutil.which("py-spy"):
+        sys.exit("error: py-spy is not installed: pip install py-spy")
+    ranks = rank_processes(pid)
+    if not ranks:
+        sys.exit(f"error: no process {pid}, or no rank of a job under it (is it torchrun's agent, or a rank?)")
+    cmd = ["py-spy", "dump", "--full-filenames", *(["--native"] if native else []), "--pid"]
+    with ThreadPoolExecutor(len(ranks)) as pool:  # at once: a picture of the same moment on every rank
+        dumps = dict(zip(ranks, pool.map(lambda p: subprocess.run([*cmd, str(p)], capture_output=True, text=True,
+                                                                  timeout=120), ranks.values())))
+    world = _environ(next(iter(ranks.values()))).get("WORLD_SIZE", "?")
+    listed = ", ".join(f"rank {r} pid {p}" for r, p in ranks.items())
+    print(f"{len(ranks)} rank(s) of {world} on this machine: {listed}"
+          + ("" if str(len(ranks)) == world else " (run this on every node for the others)"))
+    summary = []
+    for rank, res in dumps.items():
+        print(f"\n== rank {rank} (pid {ranks[rank]}) ==")
+        if res.returncode:
+            denied = re.search(r"permission|not permitted|ptrace", res.stderr + res.stdout, re.I)
+            print((res.stderr or res.stdout).strip() + ("\n" + PTRACE_HELP if denied else ""))
+            summary.append(f"rank {rank}: no stack (py-spy failed)")
+            continue
+        lines, hidden = [], 0
+        for line in res.stdout.splitlines():
+            python_frame = re.match(r" +\S.* \(\S+\.py:\d+\)$", line)
+            if native and line.startswith("    ") and not python_frame and not NATIVE_WAIT.match(line):
+                hidden += 1  # libc, pybind11, autograd's engine: what the rank waits for is in c10d's frames
+                continue
+            if not line.startswith("Python v"):
+                lines.append(re.sub(r"\(/\S*/(site-packages/|lib/)", "(", line))  # torch/_tensor.py, libtorch_cpu.so
+        print("\n".join(lines) + (f"\n    ({hidden} other native frames hidden)" if hidden else ""))
+        summary.append(f"rank {rank}: " + _waits(res.stdout))
+    print("\nwhere each rank is (its main thread: your line, the call it is in, the C++ wait with --native):")
+    print("\n".join("  " + s for s in summary))
+
+
+def _waits(dump):
+    """'train (file.py:56) in Tensor.backward <- c10d::Reducer::finalize_backward' from one py-spy dump."""
+    main = dump.split('"MainThread"')[1] if '"MainThread"' in dump else dump
+    main = re.split(r"\nThread ", main)[0]
+    frames = [ln.strip() for ln in main.splitlines() if ln.startswith("    ")]
+    python = [(i, m) for i, f in enumerate(frames) if (m := re.match(r"(.+) \((\S+\.py):(\d+)\)$", f))]
+    mine = next(((i, m) for i, m in python if not LIBRARY.search(m.group(2))), None)
+    if mine is None:
+        return python[0][1].group(0) if python else "(no Python frame)"
+    i, m = mine
+    calls = [c.group(1) for j, c in python if j < i and not re.search(r"wrapper|<locals>", c.group(1))]
+    text = f"{m.group(1)} ({os.path.basename(m.group(2))}:{m.group(3)})"
+    text += f" in {calls[-1]}" if calls else ""  # the library call your line made: barrier, Tensor.backward, ...
+    waits = [f.split(" (")[0] for f in frames[:i] if NATIVE_WAIT.match(f)]
+    return text + (f" <- {waits[0]}" if waits else "")
+
+
+# --- command line ---
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("stacks", help="every rank's Python stack, labelled by rank (py-spy)")
+    s.add_argument("pid", type=int, help="torchrun's agent, or any rank of the job")
+    s.add_argument("--native", action="store_true", help="with the C++ frames of c10d, gloo, NCCL and DDP's reducer")
+    f = sub.add_parser("fr", help="read the Flight Recorder's records (flight_recorder(DIR) or NCCL's own dumps)")
+    f.add_argument("dir", help="the folder of rank_<R> files")
+    f.add_argument("--torch", action="store_true", help="then run torch's analyser on them too (fr_trace)")
+    args = p.parse_args(argv)
+    if args.command == "stacks":
+        return stacks(args.pid, args.native)
+    records = read_records(args.dir) if os.path.isdir(args.dir) else {}
+    if not records:
+        sys.exit(f"error: no rank_<R> files in {args.dir}")
+    print("\n".join(summarize_records(records)))
+    cmd = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", args.dir, "--allow-incomplete-ranks"]
+    print(f"\ntorch's own analyser: python {' '.join(cmd[1:])} (or torchfrtrace); in its output, 'Culprit rank R' "
+          "means rank R's call differs from the lowest rank's: torch takes the lowest rank as right, so when rank 0 is "
+          "the one that strayed, every other rank is named.")
+    if args.torch:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        print(res.stdout + res.stderr)
+
+
+if __name__ == "__main__":
+    main()
