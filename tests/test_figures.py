@@ -54,7 +54,7 @@ def shown_with_its_command(figure, command):
 
 
 FIGURES = {"ring_busbw": "ring", "ddp_overlap": "overlap", "memory_per_rank": "memory", "learning_curves": "curves",
-           "costmodel_scaling": "scaling"}
+           "costmodel_scaling": "scaling", "fsdp_timeline": "fsdp"}
 
 
 @pytest.mark.parametrize("name", FIGURES)
@@ -94,3 +94,8 @@ def test_the_diagrams_are_drawn_again_the_same(tmp_path):
 @pytest.mark.parametrize("name", DIAGRAMS)
 def test_every_diagram_is_shown_with_its_command(name):
     shown_with_its_command(f"{name}.svg", f"python docs/diagrams.py {DIAGRAMS[name][0]}")
+
+
+def test_every_image_in_docs_is_one_of_these():
+    images = {p.name for p in (launch.REPO / "docs").iterdir() if p.suffix in (".png", ".svg")}
+    assert images == {f"{n}.png" for n in FIGURES} | {f"{n}.svg" for n in DIAGRAMS}, "a figure no page is checked for"
