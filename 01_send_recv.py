@@ -1,11 +1,11 @@
-"""01 - Joining a job, and point-to-point messages: who is who, and the only thing every collective is built from.
+"""01 - Joining a job, and point-to-point messages: who is who, and what every collective is built from.
 
 What it teaches, in order:
   1. joining: torchrun starts this file once per rank and tells each copy who it is in environment variables;
-     setup() (in the block at the end, the same in every script) makes the copies one process group;
+     setup() picks the rank's device and makes the copies one group (later scripts end with this same setup());
   2. blocking send/recv: rank 0 hands every other rank its own tensor;
   3. non-blocking isend/irecv: every rank sends to rank 0 at once; checked equal to the library's dist.gather;
-  4. a token around a ring, one hop at a time, then a ring shift where every rank sends and receives at once.
+  4. a ring shift where every rank sends and receives at once, then a token around the ring, one hop at a time.
 Break it: --blocking, the ring shift on blocking send() then recv(): a deadlock. Timings: benchmarks/send_recv.py.
 
 Run it (any N >= 2):
@@ -23,39 +23,45 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 # What torchrun puts in each process's environment (the setup block at the end reads RANK and WORLD from them):
 #   RANK, WORLD_SIZE              its number in the whole job (0 .. WORLD_SIZE-1), and how many processes there are
-#   LOCAL_RANK, LOCAL_WORLD_SIZE  the same on its own node (the local rank picks the GPU); GROUP_RANK: the node's
+#   LOCAL_RANK, LOCAL_WORLD_SIZE  the same on its own node (the local rank picks the GPU)
+#   GROUP_RANK                    the node's number (0 .. nodes-1): --node_rank on the torchrun command line
 #   MASTER_ADDR, MASTER_PORT      where rank 0 keeps the store that every process dials to find the others
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 # --- the idea: join the job, then point-to-point messages ---
+def setup(args):
+    """1. Join: choose this rank's device, then make the processes one group. Returns the device."""
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    # The device rule. NCCL, the GPU backend, drives one GPU per rank: with a GPU for each rank on this node, local
+    # rank r takes GPU r. With fewer, the CPU and gloo; --device cuda shares the GPUs (gloo can do that, NCCL cannot).
+    gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never asks CUDA
+    per_rank = gpus >= local_world
+    backend = args.backend or ("nccl" if per_rank else "gloo")
+    if (args.device == "cuda" and gpus == 0) or (backend == "nccl" and not per_rank):
+        raise UsageError(f"--device {args.device} --backend {backend}: {gpus} CUDA GPU(s) for {local_world} ranks")
+    device = torch.device("cuda", local_rank % gpus) if per_rank or args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init, so that NCCL binds this rank to its GPU
+    print0(f"device: {device.type}, {backend} (--device {args.device}, {gpus} GPU(s) for {local_world} ranks/node)")
+    # Every rank dials MASTER_ADDR:MASTER_PORT, learns where the others are, and returns once all WORLD_SIZE ranks
+    # have arrived. The timeout bounds every later wait on a peer: a dead peer ends the job instead of hanging it.
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+    return device
+
+
 def who_am_i(device):
-    """Every rank's torchrun variables in one table, then the same ranks as a grid (nodes x ranks per node)."""
-    mine = [os.environ.get(name, "-") for name in TORCHRUN_VARS] + [str(device)]
-    table = [None] * WORLD
-    dist.all_gather_object(table, mine)  # every rank's row, on every rank
-    print0("| " + " | ".join(TORCHRUN_VARS) + " | device |\n|" + "---|" * (len(TORCHRUN_VARS) + 1))
-    for row in table:
-        print0("| " + " | ".join(row) + " |")
-    # The group agrees with the environment: init_process_group read RANK and WORLD_SIZE from there.
-    assert (dist.get_rank(), dist.get_world_size()) == (RANK, WORLD)
-    # The same ranks as a grid: one row per node, one column per local rank. Parallelisms beyond data
-    # parallel (tensor, pipeline, FSDP's hybrid sharding) are laid out on such a mesh, one dimension each.
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", WORLD))
-    mesh = init_device_mesh(device.type, (WORLD // per_node, per_node), mesh_dim_names=("node", "local"))
-    print0(f"DeviceMesh, dimensions {mesh.mesh_dim_names}: {mesh.mesh.tolist()}")
-    log_in_rank_order(f"my (node, local) coordinate in the mesh: {tuple(mesh.get_coordinate())}")
+    """This rank's torchrun variables and device, in a line of its own (the ranks' lines come in any order)."""
+    log(" ".join(f"{name}={os.environ.get(name, '-')}" for name in TORCHRUN_VARS), f"device={device}")
+    assert (dist.get_rank(), dist.get_world_size()) == (RANK, WORLD)  # init_process_group read them from there
 
 
 def main(args):
     if WORLD < 2:  # plain `python 01_send_recv.py` sets none of torchrun's variables: nobody to talk to
         raise UsageError(f"needs 2 or more ranks: launch with torchrun, e.g. torchrun --nproc_per_node=2 {sys.argv[0]}")
-    # 1. Join: setup() picks the device from LOCAL_RANK, then dist.init_process_group reads RANK, WORLD_SIZE and
-    # MASTER_ADDR:PORT and returns once every rank has called it. Its timeout ends a wait that never ends (--blocking).
     device = setup(args)
     if args.blocking and dist.get_backend() == "nccl":  # NCCL's send() blocks the GPU stream, not this call
         raise UsageError("--blocking shows the deadlock on gloo: add --backend gloo")
@@ -68,12 +74,12 @@ def main(args):
     if RANK == 0:
         for dst in range(1, WORLD):
             dist.send(torch.full((4,), float(dst), device=device), dst=dst)
-        log_in_rank_order("send/recv: sent a tensor to every other rank")
+        log(f"send/recv: sent a tensor to each of ranks 1..{WORLD - 1}")
     else:
         got = torch.empty(4, device=device)
         dist.recv(got, src=0)
         assert torch.equal(got, torch.full((4,), float(RANK), device=device))
-        log_in_rank_order(f"send/recv: got {got.tolist()} from rank 0")
+        log(f"send/recv: got {got.tolist()} from rank 0")
 
     # 3. Non-blocking: isend/irecv return a handle at once; we can compute while the bytes travel.
     mine = torch.tensor([RANK * 10.0, RANK * 10.0 + 1], device=device)
@@ -86,25 +92,13 @@ def main(args):
     else:
         dist.isend(mine, dst=0).wait()  # the buffer must not change until wait() returns
     library = [torch.empty(2, device=device) for _ in range(WORLD)] if RANK == 0 else None
-    dist.gather(mine, gather_list=library, dst=0)  # the library call our isend/irecv replaced
+    dist.gather(mine, gather_list=library, dst=0)  # the library call our isend/irecv replaced: the first collective
     if RANK == 0:
         assert all(torch.equal(a, b) for a, b in zip(inbox, library)), "hand-written gather != dist.gather"
         print0(f"isend/irecv gather: {[t.tolist() for t in inbox]} == dist.gather")
 
-    # 4a. A token around the ring, one hop at a time: rank r receives from r-1, adds r, sends to r+1.
+    # 4a. A ring shift: every rank sends to its right and receives from its left at the same time.
     right, left = (RANK + 1) % WORLD, (RANK - 1) % WORLD
-    token = torch.zeros(1, device=device)
-    if RANK == 0:
-        dist.send(token, dst=right)  # rank 0 starts the ring; everybody else waits for the token first
-        dist.recv(token, src=left)
-        assert token.item() == sum(range(WORLD)), token
-        print0(f"token ring: came back as {token.item():.0f} = 0+1+...+{WORLD - 1}")
-    else:
-        dist.recv(token, src=left)
-        token += RANK
-        dist.send(token, dst=right)
-
-    # 4b. A ring shift: everyone sends right and receives from the left at the same time.
     send, recv = torch.full((3,), float(RANK), device=device), torch.empty(3, device=device)
     if args.blocking:
         # Break it. A blocking send returns only once the receiver has posted its recv, but every receiver sits in
@@ -119,26 +113,29 @@ def main(args):
                    "(--timeout-s); post both sides at once with batch_isend_irecv")
             time.sleep(1)  # let rank 0's line out before torchrun stops the job
             os._exit(1)  # no teardown: the sends are still posted
-    else:
-        # Batching both sides lets the backend match them (on NCCL this is one fused group call).
+    else:  # batching both sides lets the backend match them (on NCCL this is one fused group call)
         ops = [dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)]
         for req in dist.batch_isend_irecv(ops):
             req.wait()
     assert torch.equal(recv, torch.full((3,), float(left), device=device))
-    # log_in_rank_order gathers a line from every rank, after its checks: so the OK below speaks for all of them.
-    log_in_rank_order(f"ring shift: got {recv[0].item():.0f} from rank {left}")
-    print0(f"OK send/recv, isend/irecv, token ring and ring shift checked on {WORLD} ranks")
+    log(f"ring shift: got {recv[0].item():.0f} from rank {left}")
+
+    # 4b. A token around the ring, one hop at a time: rank r receives from r-1, adds r, sends to r+1. A rank that
+    # failed a check never passes it on: a token back on rank 0 means that the OK below speaks for every rank.
+    token = torch.zeros(1, device=device)
+    if RANK == 0:
+        dist.send(token, dst=right)  # rank 0 starts the ring; everybody else waits for the token first
+        dist.recv(token, src=left)
+        assert token.item() == sum(range(WORLD)), token
+        print0(f"token ring: came back as {token.item():.0f} = 0+1+...+{WORLD - 1}")
+    else:
+        dist.recv(token, src=left)
+        token += RANK
+        dist.send(token, dst=right)
+    print0(f"OK send/recv, isend/irecv, ring shift and token ring checked on {WORLD} ranks")
 
 
-# --- plumbing the lesson calls: ordered output, flags ---
-def log_in_rank_order(line):
-    """Every rank's line, printed by rank 0 in rank order: lines that each rank prints itself race each other."""
-    lines = [None] * WORLD
-    dist.all_gather_object(lines, line)
-    for r, text in enumerate(lines):
-        print0(f"[rank {r}/{WORLD}] {text}")
-
-
+# --- plumbing the lesson calls: flags ---
 def parse_args():
     p = Parser(__doc__)
     p.add_argument("--blocking", action="store_true", help="break it: the ring shift on blocking send() then "
@@ -182,22 +179,6 @@ class Parser(argparse.ArgumentParser):  # the flags every script shares; a bad f
 
     def error(self, message):
         raise UsageError(message)
-
-
-def setup(args):  # choose the device, then join the group; returns the device
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never asks CUDA
-    per_rank = gpus >= local_world  # a GPU for each rank on this node; fewer: the CPU, or shared with --device cuda
-    backend = args.backend or ("nccl" if per_rank else "gloo")  # gloo can share a GPU between ranks; NCCL cannot
-    if (args.device == "cuda" and gpus == 0) or (backend == "nccl" and not per_rank):
-        raise UsageError(f"--device {args.device} --backend {backend}: {gpus} CUDA GPU(s) for {local_world} ranks")
-    device = torch.device("cuda", local_rank % gpus) if per_rank or args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":  # before init, so that NCCL binds this rank to its GPU
-        torch.cuda.set_device(device)
-    print0(f"device: {device.type}, {backend} (--device {args.device}, {gpus} GPU(s) for {local_world} ranks/node)")
-    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # plain `python`
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s), **alone)
-    return device
 
 
 def run(main, parse_args):

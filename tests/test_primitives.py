@@ -22,14 +22,18 @@ def test_script_checks_itself(name, nproc):
     res = launch.torchrun(name, nproc, SCRIPTS[name], timeout=120)
     assert not res.timed_out and res.returncode == 0, res.output
     assert res.ok_line(), res.output
-    # Per-rank lines must come from every rank, tagged "[rank r/N]", for the scripts that print them, and in rank
-    # order: rank 0's line, then rank 1's, ..., before the next round.
+    # Per-rank lines must come from every rank, tagged "[rank r/N]", for the scripts that print them; 02 and 04 print
+    # them in rank order (rank 0's line, then rank 1's, ..., before the next round), 01's ranks each print their own.
     tagged = per_rank_lines(res.output, nproc)
-    if name != "03_all_reduce.py":
+    if name in ("02_broadcast.py", "04_sampler.py"):
         assert tagged and [r for r, _ in tagged] == list(range(nproc)) * (len(tagged) // nproc), res.output
-    if name == "01_send_recv.py":  # a row of torchrun's variables per rank: RANK 0..N-1, each with WORLD_SIZE N
-        rows = [ln.split(" | ") for ln in res.output.splitlines() if re.match(r"\| \d+ \| \d+ \| \d+ \|", ln)]
-        assert [(row[0], row[3]) for row in rows] == [(f"| {r}", str(nproc)) for r in range(nproc)], res.output
+    if name == "01_send_recv.py":  # each rank: its torchrun variables (RANK r, WORLD_SIZE N), then one line per step
+        rows = {r: re.search(r"RANK=(\d+) .*WORLD_SIZE=(\d+) ", text).groups() for r, text in tagged
+                if text.startswith("RANK=")}
+        assert rows == {r: (str(r), str(nproc)) for r in range(nproc)}, res.output
+        for step in ("send/recv: ", "ring shift: got "):
+            assert sorted(r for r, text in tagged if text.startswith(step)) == list(range(nproc)), res.output
+        assert f"token ring: came back as {sum(range(nproc))}" in res.output, res.output
     if name == "02_broadcast.py":  # every rank starts with a tensor of its own and ends with src's
         before = [text for _, text in tagged if text.startswith("before dist.broadcast")]
         after = [text.split(": ", 1)[1] for _, text in tagged if text.startswith("after  dist.broadcast")]
