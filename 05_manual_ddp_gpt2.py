@@ -1,15 +1,12 @@
 """05 - DDP by hand: the naive all-reduce, then DDPCore (PyTorch's DDP, bit for bit), training a small GPT-2.
 
 What it teaches, in reading order: average_gradients, the tutorial's version, and why it is slow; then DDPCore, what
-torch.nn.parallel.DistributedDataParallel does, bit for bit, read in the order a step runs (rank 0's weights
-broadcast; gradients written into flat buckets; each bucket all-reduced from a backward hook as soon as it is full,
-overlapping the rest of backward; buckets cut again once in the order backward really made them; no_sync). Then a
-train.py as nanoGPT's for any Hugging Face causal LM, with checkpoints that resume bit for bit. ddp_dropin.py builds
-ManualDDP, a drop-in for PyTorch's DDP (hooks, join, unused parameters, ...), on DDPCore.
+torch.nn.parallel.DistributedDataParallel does, bit for bit, in the order a step runs; then a train.py as nanoGPT's
+for any Hugging Face causal LM, with checkpoints that resume bit for bit. ddp_dropin.py builds ManualDDP, a drop-in
+for PyTorch's DDP (hooks, join, unused parameters, ...), on DDPCore. --impl naive or torch trains with those instead.
 
 Run it (the default trains a 0.84M-parameter GPT-2 offline, on Python's own standard library sources):
-  CPU:        torchrun --nproc_per_node=4 05_manual_ddp_gpt2.py     (--impl naive, or torch, to compare)
-  1 process:  python 05_manual_ddp_gpt2.py
+  CPU:        torchrun --nproc_per_node=4 05_manual_ddp_gpt2.py    (one process: python 05_manual_ddp_gpt2.py)
   N GPUs:     torchrun --nproc_per_node=N 05_manual_ddp_gpt2.py --model gpt2 --dataset wikitext \\
                   --dataset-config wikitext-2-raw-v1 --seq-len 512 --compile
   2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 \\
@@ -243,8 +240,7 @@ def byte_tokenizer():
     """A byte-level tokenizer (256 bytes + end-of-text): nothing to download, any text encodes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["<|endoftext|>"] = len(vocab)
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()) + ["<|endoftext|>"])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -252,8 +248,7 @@ def byte_tokenizer():
 
 
 def load_tokens(args, tok):
-    """One stream of token ids, each document ended by end-of-text: Python's standard library (real text on every
-    machine, offline), local files (a directory, a file or a glob; a file is a document), or a hub dataset."""
+    """One token stream, documents ended by end-of-text: Python's sources (offline), local files, or a hub dataset."""
     if args.dataset == "stdlib":
         files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[: args.stdlib_files]
     else:  # a directory (every file under it), a file or a glob; if none matches, a hub dataset's name
@@ -273,9 +268,8 @@ def load_tokens(args, tok):
 
 
 def batches_from(data, per_epoch, args, micro):
-    """This rank's micro-batches forever, from micro-batch `micro` on (a plain counter: a resumed run continues at
-    exactly the batch it stopped at). DistributedSampler (04_sampler.py writes it by hand) gives each rank its own
-    share of one permutation, the same on every rank."""
+    """This rank's micro-batches forever, from micro-batch `micro` on (a resumed run continues at exactly the batch
+    it stopped at): DistributedSampler (04_sampler.py writes it by hand), one permutation shared out to the ranks."""
     sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=args.seed, drop_last=True)
     while True:
         epoch, offset = divmod(micro, per_epoch)
@@ -288,8 +282,7 @@ def batches_from(data, per_epoch, args, micro):
 
 # --- model ---
 def build_model(args):
-    """(tokenizer, model) in float32 (the master weights; autocast computes in bf16 where asked): --model's, from the
-    hub or a local directory, else a small GPT-2 from scratch."""
+    """(tokenizer, model) in float32 (the master weights): --model (hub or directory), else a small GPT-2."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, logging
     logging.set_verbosity_error()  # long documents trigger a harmless length warning
     logging.disable_progress_bar()
@@ -313,9 +306,7 @@ def positions(model):
 
 
 def compile_blocks(model, backend="inductor"):
-    """Each transformer block compiled on its own (regional compilation, as torchtitan does): a block's gradients,
-    and their buckets, still leave as soon as its backward ends. torch.compile(model) would hand every gradient over
-    only at the end of one compiled backward: no overlap left."""
+    """Each block compiled on its own (as torchtitan): its buckets leave as its backward ends, not after the model's."""
     blocks = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)  # the stack of blocks
     for block in blocks:
         block.compile(backend=backend)
@@ -381,66 +372,61 @@ def train(args, device, state):
         print0(f"resumed from {os.path.join(args.out, f'checkpoint-{start}')} at step {start}")
     batches = batches_from(data, per_epoch, args, start * args.grad_accum)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * WORLD
-    profiler = contextlib.nullcontext()
     if args.profile:  # steps 3-5, a trace per rank, for benchmarks/overlap.py to read
         os.makedirs(args.profile, exist_ok=True)
         profiler = torch.profiler.profile(
             schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
             on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(args.profile, f"trace_rank{RANK}.json")))
+        profiler.start()
+        opt.register_step_post_hook(lambda *_: profiler.step())  # a profiler step ends with each optimizer step
     losses, first_loss, last_loss, t_log = [], None, None, time.perf_counter()
     model.train()
-    with profiler:
-        for step in range(start, args.max_steps):
-            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-            if step == args.crash_at_step and RANK == WORLD - 1 and first_attempt:
-                log(f"--crash-at-step {step}: SIGKILL to myself (first attempt only)")
-                os.kill(os.getpid(), signal.SIGKILL)
-            # Dropout (if the model has any) should differ across ranks like the data does, and a resumed run must
-            # replay the same masks: so seed from (seed, step, rank) instead of saving RNG states.
-            torch.manual_seed(args.seed + SEED_STRIDE * step + RANK)
-            step_loss = torch.zeros((), device=device)
-            for micro in range(args.grad_accum):
-                batch = next(batches).to(device, non_blocking=True)
-                # Sync on the last micro-batch only, one all-reduce per optimizer step: the attribute no_sync() sets,
-                # written directly (as nanoGPT does) to read as the schedule it is.
-                if args.impl != "naive":
-                    ddp.require_backward_grad_sync = micro == args.grad_accum - 1
-                # use_cache=False: no KV cache to build in training (under --compile each block would recompile).
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-                    logits = ddp(input_ids=batch[:, :-1], use_cache=False).logits
-                loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-                (loss / args.grad_accum).backward()
-                step_loss += loss.detach() / args.grad_accum
-            if args.impl == "naive":
-                average_gradients(model, WORLD)
-            # Here every .grad already holds the mean over ranks, so clipping sees the global gradient and every
-            # rank clips by the same factor.
-            if args.max_grad_norm > 0:
-                nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(step_loss)
-            if args.profile:
-                profiler.step()
-            # The end of training is a checkpoint too: a larger --max-steps continues from it.
-            if args.out and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.max_steps):
-                if RANK == 0:  # every replica holds the same state: global rank 0 alone writes it
-                    save_checkpoint(args.out, step + 1, {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                                         "scheduler": sched.state_dict(), "step": step + 1})
-                print0(f"saved {args.out}/checkpoint-{step + 1}")
-            if (step + 1) % args.log_every == 0 or step in (start, args.max_steps - 1):
-                # Loss of all ranks, not rank 0's alone: SUM of per-rank means, divided by N.
-                mean = torch.stack(losses).mean()
-                dist.all_reduce(mean)
-                last_loss = mean.item() / WORLD
-                if not math.isfinite(last_loss):  # every rank holds the same mean: all stop here, together
-                    raise UsageError(f"training diverged: loss {last_loss} at step {step + 1} (try a smaller --lr)")
-                first_loss = last_loss if first_loss is None else first_loss
-                dt = (time.perf_counter() - t_log) / len(losses)
-                print0(f"step {step + 1:>5}/{args.max_steps} | loss {last_loss:7.4f} | lr {sched.get_last_lr()[0]:.2e} "
-                       f"| {dt * 1e3:7.1f} ms/step | {tokens_per_step / dt:9,.0f} tok/s")
-                losses, t_log = [], time.perf_counter()
+    for step in range(start, args.max_steps):
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if step == args.crash_at_step and RANK == WORLD - 1 and first_attempt:
+            log(f"--crash-at-step {step}: SIGKILL to myself (first attempt only)")
+            os.kill(os.getpid(), signal.SIGKILL)
+        # Dropout masks differ across ranks as the data does, and a resumed run replays them: no RNG state saved.
+        torch.manual_seed(args.seed + SEED_STRIDE * step + RANK)
+        step_loss = torch.zeros((), device=device)
+        for micro in range(args.grad_accum):
+            batch = next(batches).to(device, non_blocking=True)
+            # Sync on the last micro-batch only (the flag no_sync() sets; nanoGPT writes it directly too).
+            if args.impl != "naive":
+                ddp.require_backward_grad_sync = micro == args.grad_accum - 1
+            # use_cache=False: no KV cache to build in training (under --compile each block would recompile).
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+                logits = ddp(input_ids=batch[:, :-1], use_cache=False).logits
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+            (loss / args.grad_accum).backward()
+            step_loss += loss.detach() / args.grad_accum
+        if args.impl == "naive":
+            average_gradients(model, WORLD)
+        # Every .grad already holds the mean over ranks: clipping sees the global gradient, alike on every rank.
+        if args.max_grad_norm > 0:
+            nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+        # The end of training is a checkpoint too: a larger --max-steps continues from it.
+        if args.out and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.max_steps):
+            if RANK == 0:  # every replica holds the same state: global rank 0 alone writes it
+                save_checkpoint(args.out, step + 1, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                                     "scheduler": sched.state_dict(), "step": step + 1})
+            print0(f"saved {args.out}/checkpoint-{step + 1}")
+        if (step + 1) % args.log_every == 0 or step in (start, args.max_steps - 1):
+            # Loss of all ranks, not rank 0's alone: SUM of per-rank means, divided by N.
+            mean = torch.stack(losses).mean()
+            dist.all_reduce(mean)
+            last_loss = mean.item() / WORLD
+            if not math.isfinite(last_loss):  # every rank holds the same mean: all stop here, together
+                raise UsageError(f"training diverged: loss {last_loss} at step {step + 1} (try a smaller --lr)")
+            first_loss = last_loss if first_loss is None else first_loss
+            dt = (time.perf_counter() - t_log) / len(losses)
+            print0(f"step {step + 1:>5}/{args.max_steps} | loss {last_loss:7.4f} | lr {sched.get_last_lr()[0]:.2e} "
+                   f"| {dt * 1e3:7.1f} ms/step | {tokens_per_step / dt:9,.0f} tok/s")
+            losses, t_log = [], time.perf_counter()
     # Identical gradients on identical weights keep the replicas identical: check it, bit for bit.
     mine = torch.cat([p.detach().flatten().float() for p in model.parameters()])
     rank0 = mine.clone()
@@ -465,7 +451,7 @@ def main(args):
         args.precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     if device.type == "cuda":  # TF32 matmuls: float32's range, 10-bit mantissa, tensor-core speed
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    wrapper = {"manual": "DDPCore", "torch": "DistributedDataParallel", "naive": "average_gradients"}[args.impl]
+    wrapper = dict(manual="DDPCore", naive="average_gradients", torch="DistributedDataParallel")[args.impl]
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} impl={args.impl} ({wrapper}) "
            f"precision={args.precision} torch={torch.__version__}")
     state = None
@@ -553,9 +539,8 @@ def parse_args(argv=None):
     g.add_argument("--split", default="train", help="HF dataset split")
     g.add_argument("--text-column", default="text", help="column holding the text")
     g.add_argument("--stdlib-files", type=count, default=40, help="how many stdlib .py files --dataset stdlib reads")
-    g = p.add_argument_group("training")
-    g.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual",
-                   help="manual: DDPCore; torch: PyTorch's DDP; naive: average_gradients")
+    g = p.add_argument_group("training, checkpoints, output")
+    g.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual", help="DDPCore, naive, PyTorch's")
     g.add_argument("--bucket-cap-mb", type=at_least(1e-6, float), default=None, help="default: DDP's (25, first 1)")
     g.add_argument("--batch-size", type=count, default=4, help="sequences per rank per micro-batch")
     g.add_argument("--grad-accum", type=count, default=1, help="micro-batches per optimizer step (no_sync between)")
@@ -568,7 +553,6 @@ def parse_args(argv=None):
     g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on a GPU with it")
     g.add_argument("--compile", action="store_true", help="torch.compile each transformer block (overlap kept)")
     g.add_argument("--seed", type=at_least(0, below=2**32), default=0, help="model init (same on all ranks), data")
-    g = p.add_argument_group("checkpoints, output")
     g.add_argument("--out", default=None, help="checkpoint dir: resume from it, save to it, final save_pretrained")
     g.add_argument("--ckpt-every", type=count, default=50, help="steps between checkpoints")
     g.add_argument("--log-every", type=count, default=25, help="steps between loss lines")

@@ -36,9 +36,9 @@ def test_drop_in_for_ddp_and_bit_identical_on_4_3_and_2_ranks():
 def test_05_opens_on_the_naive_version_then_the_core_and_the_drop_in_replaces_whole_methods():
     """05's first definition is the naive average_gradients, its second DDPCore, a class of about 150 lines that
     holds no ManualDDP and nothing for it: every method of the core is used by 05 itself, and ddp_dropin.py's
-    ManualDDP, a subclass of 05's DDPCore (loaded, not copied), extends none of them through super(). 05 is at most
-    600 lines, the idea (the naive version, the core and its helpers) and the training loop at least half of them;
-    the docs state the core's real size."""
+    ManualDDP, a subclass of 05's DDPCore (loaded, not copied), extends none of them through super(). The idea (the
+    naive version, the core and its helpers) and the training loop are at least half of 05; the docs state the
+    core's real size."""
     import ast
     text = (launch.REPO / "05_manual_ddp_gpt2.py").read_text()
     tree = ast.parse(text)
@@ -54,11 +54,11 @@ def test_05_opens_on_the_naive_version_then_the_core_and_the_drop_in_replaces_wh
         return next(k for k, line in enumerate(lines) if line.startswith(mark))
     idea = section("# --- data") - section("# --- the idea")  # the naive version, DDPCore and its helpers
     loop = top["train"].end_lineno - section("# --- training")  # wrap, the schedule, the loop and its check
-    assert len(lines) <= 600 and 2 * (idea + loop) >= len(lines), (len(lines), idea, loop)
+    assert 2 * (idea + loop) >= len(lines), (len(lines), idea, loop)  # the file's size: test_setup.py
     methods = [n.name for n in core.body if isinstance(n, ast.FunctionDef)]
     for name in methods:
         if name not in ("__init__", "forward", "no_sync"):  # the API; the rest must serve the core itself
-            assert text.count(f"self.{name}(") + text.count(f"self.{name})") >= 1, f"DDPCore.{name} unused in 05"
+            assert f".{name}(" in text or f".{name})" in text, f"DDPCore.{name} is not used by 05 itself"
     dropin = ast.parse((launch.REPO / "ddp_dropin.py").read_text())
     manual = next(n for n in dropin.body if isinstance(n, ast.ClassDef) and n.name == "ManualDDP")
     assert [b.id for b in manual.bases] == ["DDPCore", "Joinable"]
