@@ -75,7 +75,10 @@ def start(n, timeout_s=TIMEOUT_S, device="auto"):
     profile = tempfile.mkdtemp(prefix="ranks-profile-")  # private: removed with the ranks, whatever ends them
     watched = [sys.executable, str(Path(__file__).resolve()), str(os.getpid()), profile]  # see the end of the file
     config = Config()
-    config.LocalControllerLauncher.controller_cmd = [*watched, "ipyparallel.controller"]
+    # A rank whose process ends (a crash, NCCL's watchdog) is noticed by the controller's heartbeat: within 5 s,
+    # not ipyparallel's default 30 (its nanny, which would tell at once, is off: see the end of the file)
+    config.LocalControllerLauncher.controller_cmd = [*watched, "ipyparallel.controller", "--HeartMonitor.period=1000",
+                                                     "--HeartMonitor.max_heartmonitor_misses=5"]
     config.LocalEngineLauncher.engine_cmd = [*watched, "ipyparallel.engine", "--IPEngine.enable_nanny=False"]
     cluster = ipp.Cluster(n=n, config=config, log_level=40, profile_dir=profile, cluster_file="",
                           shutdown_atexit=False)  # 40: errors only; at exit _stop() kills, faster than asking
@@ -208,6 +211,10 @@ def _ready():
     """Refuse at once (instead of waiting for a rank that never comes back) when a rank is still stuck."""
     if _state.get("cluster") is None:
         raise GroupError("no ranks: run the first cell (ranks.start)")
+    gone = sorted(set(range(_state["args"][0])) - set(_state["client"].ids))
+    if gone:
+        raise GroupError(f"{_ranks(gone)} gone (the process ended): the group cannot be used again. Run "
+                         "ranks.reset() for a fresh group.")
     busy = _state.get("busy")
     if busy is not None and not busy.done():
         stuck = [r for r, f in zip(busy._targets, busy._children) if not f.done()]
@@ -254,7 +261,12 @@ def _explain(error):
         failed = [(error.engine_info.get("engine_id"), error.ename, error.evalue, error.traceback)]
     else:
         return None
-    broke = [(r, _collective(tb), evalue) for r, ename, evalue, tb in failed if _is_dist(ename, evalue, tb)]
+    for k, (_, ename, evalue, tb) in enumerate(failed):  # EngineError: the rank's process ended; its id is in words
+        died = re.match(r"Engine (\d+) died", str(evalue or "")) if ename == "EngineError" else None
+        if died:
+            failed[k] = (int(died.group(1)), ename, evalue, tb)
+    broke = [(r, "died" if ename == "EngineError" else _collective(tb), evalue) for r, ename, evalue, tb in failed
+             if ename == "EngineError" or _is_dist(ename, evalue, tb)]
     earlier = _state.get("broken")
     if earlier is not None:  # every later cell that communicates fails too, often with misleading words
         return (f"{_failures(failed)}: the group broke in an earlier cell ({earlier}) and cannot be used again. "
@@ -262,7 +274,8 @@ def _explain(error):
     if not broke:
         return None
     n = _state["args"][0]
-    what = "; ".join(f"rank {r} {'timed out' if 'imed out' in ev or 'timeout' in ev else 'failed'} in {op}"
+    what = "; ".join(f"rank {r}'s process died" if op == "died" else
+                     f"rank {r} {'timed out' if 'imed out' in ev or 'timeout' in ev else 'failed'} in {op}"
                      for r, op, ev in broke)
     others = [r for r in range(n) if r not in {b[0] for b in broke}]
     other_failed = [f for f in failed if f[0] in others]

@@ -165,6 +165,7 @@ def test_notebook_runs_top_to_bottom_on_2_and_3_ranks(name, tmp_path):
         assert "not written yet" in res.output, res.output[-3000:]
         gone = re.search(r"rank processes left ([\d.]+) s after the kernel's shutdown: \[\]", res.output)
         assert gone and float(gone.group(1)) <= GONE_S, f"{ranks} ranks: {res.output[:3000]}"
+        print(f"{name} on {ranks} ranks: {gone.group(0)}")
         assert not left, f"rank processes outlived the notebook on {ranks} ranks: {left}"
         assert not files_left(root / "ipython", root / "tmp"), files_left(root / "ipython", root / "tmp")
 
@@ -282,5 +283,6 @@ def test_a_readers_sitting_costs_one_cell_per_mistake_and_a_killed_kernel_leaves
         gone_s = time.time() - t0
         time.sleep(0.2)
         files = files_left(tmp_path / "ipython", tmp_path / "tmp")
+    print(f"rank processes gone {gone_s:.2f} s after the kernel's SIGKILL")
     assert not left and gone_s <= GONE_S, f"processes outlived the killed kernel by {gone_s:.1f} s: {left}"
     assert not files, f"left behind: {files}"
