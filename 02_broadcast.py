@@ -2,9 +2,8 @@
 
 What it teaches, in order:
   1. dist.broadcast from a chosen --src: each rank's tensor before and after;
-  2. the same thing by hand on send/recv: a binomial tree that doubles the number of ranks holding the
-     data every round, so N ranks need ceil(log2 N) rounds instead of N-1 sends from the source;
-     checked equal to dist.broadcast;
+  2. the same thing by hand on send/recv: a binomial tree that doubles the ranks holding the data every round,
+     so N ranks need ceil(log2 N) rounds instead of N-1 sends from the source; checked equal to dist.broadcast;
   3. why DDP broadcasts at start-up: replicas built with different seeds differ, and broadcasting rank 0's
      parameters and buffers makes them identical (checked on every rank).
 
@@ -77,10 +76,8 @@ def main(args):
     if WORLD < 2:  # replicas to make identical, and a source to broadcast from, need two ranks at least
         raise UsageError(f"needs 2 or more ranks: launch with torchrun, e.g. torchrun --nproc_per_node=2 {sys.argv[0]}")
     device = setup(args)  # RANK and WORLD come from torchrun's environment (01 shows them)
-    print0(f"world_size={WORLD} src={args.src}")
 
-    # 1. The library call. Every rank starts with a tensor of its own; afterwards every rank holds src's, and
-    # what the others held is gone (overwritten in place).
+    # 1. The library call. Every rank starts with a tensor of its own and ends with --src's, in place.
     t = torch.arange(4, device=device) + 100 * RANK
     log_in_rank_order(f"before dist.broadcast: {t.tolist()}")
     dist.broadcast(t, src=args.src)

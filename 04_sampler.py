@@ -3,8 +3,7 @@
 What it teaches, in order:
   1. DistributedSampler: shuffle with one seed shared by all ranks (so they agree on the permutation), pad it to a
      multiple of N, and give rank r every N-th index from r: the indices of torch's, checked on every rank;
-  2. the padding: the first few samples are repeated so every rank gets the same number of batches (or, with
-     drop_last, the tail is dropped);
+  2. the padding: the first samples repeat so every rank gets as many batches (drop_last drops the tail instead);
   3. set_epoch: without it every epoch replays the same order (break it: --no-set-epoch);
   4. the evaluation pitfall: the padded duplicates are counted twice in a distributed accuracy, and the fix.
 
@@ -15,10 +14,8 @@ Run it (any N >= 2):
 """
 
 import argparse
-import collections
 import math
 import os
-import sys
 import time
 from datetime import timedelta
 
@@ -30,7 +27,6 @@ import torch.utils.data
 # --- the idea: a distributed sampler ---
 class DistributedSampler(torch.utils.data.Sampler):
     """Shard ``dataset``'s indices across ``num_replicas`` ranks; the same indices as torch's sampler."""
-
     def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0, drop_last=False):
         # Defaults come from the process group, so inside a torchrun job no arguments are needed.
         num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
@@ -42,10 +38,7 @@ class DistributedSampler(torch.utils.data.Sampler):
         n = len(dataset)
         # Every rank must get the same number of samples, or the ranks would run different numbers of steps and
         # the gradient all-reduce of the extra step would wait forever: drop the tail, or pad with repeats.
-        if drop_last and n % num_replicas:
-            self.num_samples = math.ceil((n - num_replicas) / num_replicas)
-        else:
-            self.num_samples = math.ceil(n / num_replicas)
+        self.num_samples = n // num_replicas if drop_last else math.ceil(n / num_replicas)
         self.total_size = self.num_samples * num_replicas
 
     def set_epoch(self, epoch):
@@ -54,18 +47,14 @@ class DistributedSampler(torch.utils.data.Sampler):
 
     def __iter__(self):
         n = len(self.dataset)
+        indices = list(range(n))
         if self.shuffle:
             # A generator seeded identically on every rank gives every rank the same permutation; the ranks
             # then take disjoint slices of it. (A per-rank seed here would overlap and miss samples.)
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            indices = torch.randperm(n, generator=g).tolist()
-        else:
-            indices = list(range(n))
-        if self.drop_last:
-            indices = indices[: self.total_size]
-        else:
-            # Pad by cycling through the (shuffled) list from its start: these are the duplicates.
-            indices += [indices[i % n] for i in range(self.total_size - n)]
+            indices = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        # Pad by cycling through the (shuffled) list from its start: these are the duplicates. With drop_last
+        # there is nothing to pad (total_size <= n), and the slice below leaves out the tail.
+        indices += [indices[i % n] for i in range(self.total_size - n)]
         return iter(indices[self.rank : self.total_size : self.num_replicas])  # every N-th, from our rank
 
     def __len__(self):
@@ -79,12 +68,16 @@ def gather(obj):  # every rank's obj, on every rank, in rank order
     return out
 
 
+def log_in_rank_order(line):  # rank 0 prints every rank's line, in rank order: lines each rank printed would race
+    for r, text in enumerate(gather(line)):
+        print0(f"[rank {r}/{WORLD}] {text}")
+
+
 def main(args):
     if WORLD < 2:  # one rank takes the whole dataset: nothing to shard, no padding to see
-        raise UsageError(f"needs 2 or more ranks: launch with torchrun, e.g. torchrun --nproc_per_node=2 {sys.argv[0]}")
+        raise UsageError("needs 2 or more ranks: launch with torchrun, e.g. torchrun --nproc_per_node=2 04_sampler.py")
     device = setup(args)  # RANK and WORLD come from torchrun's environment (01 shows them)
     data = list(range(args.dataset_size))
-    print0(f"world_size={WORLD}, dataset of {len(data)} samples, seed={args.seed}")
 
     # 1. Ours against torch's, for both drop_last settings and two epochs, on every rank.
     for drop_last in (False, True):
@@ -98,49 +91,36 @@ def main(args):
 
     # 2. Padding: all ranks together see total_size samples, some twice (or, with drop_last, some never).
     sampler = DistributedSampler(data, seed=args.seed)
-    seen = collections.Counter(sum(gather(list(sampler)), []))
-    dupes = sorted(i for i, times in seen.items() if times > 1)
+    everyone = sum(gather(list(sampler)), [])
+    dupes = sorted({i for i in everyone if everyone.count(i) > 1})
     print0(f"padding: {sampler.total_size} slots for {len(data)} samples -> seen twice: {dupes}")
     dropped = sorted(set(data) - set(sum(gather(list(DistributedSampler(data, seed=args.seed, drop_last=True))), [])))
     print0(f"drop_last=True instead: {len(data) - len(dropped)} samples used, never seen this epoch: {dropped}")
 
-    # 3. set_epoch: the shuffle is seeded with seed + epoch, so the training loop must tell the sampler which
-    # epoch it is, on every rank alike. Forgetting it replays epoch 0's order every epoch.
-    print0("three epochs, " + ("WITHOUT set_epoch:" if args.no_set_epoch else "each after sampler.set_epoch(epoch):"))
-    orders = []
+    # 3. set_epoch: the shuffle seed is seed + epoch, so the loop tells the sampler the epoch, on every rank alike.
     for epoch in range(3):
         if not args.no_set_epoch:
             sampler.set_epoch(epoch)
-        orders.append(list(sampler))
-        log_in_rank_order(f"epoch {epoch}: {orders[-1]}")
+        log_in_rank_order(f"epoch {epoch}: {list(sampler)}")
     if args.no_set_epoch:
-        assert orders[1] == orders[2] == orders[0]
         raise UsageError("every epoch replayed epoch 0's order, on every rank: the sampler shuffles with seed + epoch, "
                          "and without set_epoch its epoch stays 0; call sampler.set_epoch(epoch) before each epoch")
 
     # 4. Evaluation (of any epoch's order). Pretend the model is right on every index that is not a multiple of 3.
     correct = torch.tensor([float(i % 3 != 0) for i in sampler], device=device)
-    exact = sum(i % 3 != 0 for i in data) / len(data)
-    naive = torch.stack([correct.sum(), torch.tensor(float(len(correct)), device=device)])  # duplicates count twice
-    # Fix: slot k of rank r is global position k*N + r of the padded list; positions >= len(data) are padding.
+    # The fix: slot k of rank r is position k*N + r of the padded list; positions >= len(data) are padding.
     real = torch.tensor([k * WORLD + RANK < len(data) for k in range(len(correct))], dtype=torch.float32, device=device)
-    fixed = torch.stack([(correct * real).sum(), real.sum()])
-    for t in (naive, fixed):
-        dist.all_reduce(t)  # SUM of counts, then one division: a mean of per-rank accuracies would be wrong too
-    naive_acc, fixed_acc = (naive[0] / naive[1]).item(), (fixed[0] / fixed[1]).item()
-    assert abs(fixed_acc - exact) < 1e-6, (fixed_acc, exact)
-    print0(f"accuracy: exact {exact:.4f} | naive distributed {naive_acc:.4f} over {naive[1]:.0f} samples "
-           f"| padding masked {fixed_acc:.4f} over {fixed[1]:.0f} samples")
+    # Naive (duplicates count twice), then masked: SUM the counts, divide once (a mean of per-rank means is wrong too).
+    counts = torch.stack([correct.sum(), torch.ones_like(correct).sum(), (correct * real).sum(), real.sum()])
+    dist.all_reduce(counts)
+    naive, fixed, exact = counts[0] / counts[1], counts[2] / counts[3], sum(i % 3 != 0 for i in data) / len(data)
+    assert abs(fixed.item() - exact) < 1e-6, (fixed, exact)
+    print0(f"accuracy: exact {exact:.4f} | naive distributed {naive:.4f} over {counts[1]:.0f} samples "
+           f"| padding masked {fixed:.4f} over {counts[3]:.0f} samples")
     print0(f"OK DistributedSampler equals torch's on {WORLD} ranks; padded evaluation fixed")
 
 
-# --- plumbing the lesson calls: ordered output, flags ---
-def log_in_rank_order(line):
-    """Every rank's line, printed by rank 0 in rank order: lines that each rank prints itself race each other."""
-    for r, text in enumerate(gather(line)):
-        print0(f"[rank {r}/{WORLD}] {text}")
-
-
+# --- plumbing the lesson calls: flags ---
 def parse_args():
     p = Parser(__doc__)
     p.add_argument("--dataset-size", type=at_least(1), default=11, help="samples in the toy dataset (try N+1)")
