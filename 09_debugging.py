@@ -2,26 +2,28 @@
 diagnosed with the real tool, and fixed.
 
 What it teaches: one scenario per --fault, its broken program run as a child job (torchrun, as many ranks, a short
---timeout-s): the symptom as you meet it, the tool that finds the cause (checked to name it), then the fix, run in
-this job; `OK` when all three happened, exit 1 when the diagnosis did not.
-  mismatch    ranks all-reduce different shapes: a timeout or a crash; TORCH_DISTRIBUTED_DEBUG=DETAIL names both
-  rank0-only  a barrier only rank 0 reaches: a timeout; the Flight Recorder names the collective, py-spy the line
-  uneven      ranks with different numbers of batches: the last step hangs; Join fixes it (DDP and ManualDDP)
+--timeout-s; the command and its environment printed): the symptom as you meet it, the tool that finds the cause
+(checked to name it), then the fix, run in this job; `OK` when all three happened, exit 1 when the diagnosis did not.
+  mismatch    ranks all-reduce different shapes: one dies, one sums garbage; TORCH_DISTRIBUTED_DEBUG=DETAIL names both
+  rank0-only  a barrier only rank 0 reaches: a hang; stacks, the Flight Recorder and monitored_barrier each name it
+  uneven      PyTorch's DDP, one rank a batch more: a hang in backward (stacks --native: DDP's reducer); Join fixes it
   drift       replicas that silently diverge, the loss fine: check_replicas() names the tensor and the ranks
-  crash       one rank raises: torchrun names the rank, @record's error file the exception
+  crash       one rank raises: the log has its traceback, torchrun's summary the rank, @record the exception there too
   same-gpu    (CUDA) NCCL with no torch.cuda.set_device: every rank on cuda:0; NCCL_DEBUG=INFO shows it
-check_replicas(module, group=None), importable, is the drift check to drop into your own loop every N steps.
+The tools come from debug_tools.py, beside this file, made for your own job: check_replicas(model, optimizer),
+flight_recorder(DIR), `python debug_tools.py stacks PID` and `fr DIR`. Symptom, tool, cause, fix: docs/debugging.md.
 
   CPU:        torchrun --nproc_per_node=2 09_debugging.py --fault mismatch        (or 3 ranks; --fault all)
   GPUs:       torchrun --nproc_per_node=N 09_debugging.py --fault all      (fewer GPUs than ranks: add --device cuda)
+  The broken program alone, to try the tools on it:
+              torchrun --nproc_per_node=2 09_debugging.py --fault uneven --broken --timeout-s 300
 """
 
 import argparse
 import math
 import os
-import pickle
 import re
-import shutil
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -36,53 +38,13 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # debug_tools.py and ddp_dropin.py live beside this file
+from debug_tools import check_replicas, flight_recorder, group_for_ddp  # noqa: E402  (the tools for your own job)
+
 FAULTS = ("mismatch", "rank0-only", "uneven", "drift", "crash", "same-gpu")
 BATCH, STEPS = 8, 4
 DEVICE = torch.device("cpu")  # main() sets it from setup(): the models and batches follow the chosen device
-
-
-# --- the idea: a replica check you can drop into any loop ---
-def check_replicas(module, group=None):
-    """Return quietly when every rank of `group` holds the same parameters and buffers as its rank 0, bit for bit
-    (frozen ones too); otherwise raise RuntimeError on every rank alike, naming the first tensor that differs, the
-    ranks that differ from rank 0 and the largest absolute difference. Any dtype, any device the group uses.
-    Cost: one broadcast of the model's bytes and two small all-gathers (README 09 measures it)."""
-    group = group or dist.group.WORLD
-    named = [(n, t.detach()) for n, t in [*module.named_parameters(), *module.named_buffers()]]
-    if not named:
-        return
-    device = named[0][1].device
-    # Compare bits, not values: a byte view of every tensor (bf16, ints and bool alike) in one flat buffer.
-    flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in named]).to(device)
-    world, src = dist.get_world_size(group), dist.get_global_rank(group, 0)
-    # First the layout: replicas of different sizes would pair a broadcast of one length with another's.
-    layouts = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(layouts, torch.tensor([len(named), flat.numel()], device=device), group=group)
-    if any(not torch.equal(x, layouts[0]) for x in layouts):
-        raise RuntimeError(f"replicas differ in layout: (tensors, bytes) per rank {[x.tolist() for x in layouts]}")
-    ref = flat.clone()
-    dist.broadcast(ref, src=src, group=group)  # rank 0's bytes on every rank
-    diffs, offset = torch.zeros(len(named), dtype=torch.float64, device=device), 0
-    for i, (_, t) in enumerate(named):
-        n = t.numel() * t.element_size()
-        if not torch.equal(flat[offset:offset + n], ref[offset:offset + n]):  # only differing tensors pay for this
-            theirs = ref[offset:offset + n].view(t.dtype).view(t.shape)
-            diffs[i] = (t.double() - theirs.double()).abs().max() if t.numel() else 0
-            diffs[i] = diffs[i] if diffs[i] > 0 else math.nan  # bits differ, values do not (NaN, -0.0): flag it
-        offset += n
-    # Every rank gathers every rank's differences: the same table everywhere, so all raise the same error.
-    table = [torch.empty_like(diffs) for _ in range(world)]
-    dist.all_gather(table, diffs, group=group)
-    table = torch.stack(table).cpu()
-    differing = table.amax(0).nonzero()
-    if len(differing):
-        i = differing[0].item()
-        name, t = named[i]
-        ranks = table[:, i].nonzero().flatten().tolist()
-        worst = table[:, i].nan_to_num(0).max().item()
-        by = f"by up to {worst:.3g}" if worst > 0 else "in its bits only (NaN or -0.0)"
-        raise RuntimeError(f"replicas differ: {name} ({str(t.dtype)[6:]}, {tuple(t.shape)}) on rank(s) {ranks} "
-                           f"differs from rank 0's {by} ({len(differing)} tensor(s) differ in all)")
 
 
 # --- the programs: a small model trained on every rank's own batches ---
@@ -112,30 +74,41 @@ def step(model, opt, x, y, clip=False):
     return loss
 
 
-def program(fault, fixed=False):
+def program(fault, fixed=False, monitored=False):
     """The program as a user writes it: the child job runs it broken (--broken), the scenario then fixed."""
-    model = make_model()  # averaged by hand (PyTorch's DDP segfaults under DETAIL on gloo in torch 2.14)
+    model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if fault == "mismatch":
+        # DDP on a group of its own: under TORCH_DISTRIBUTED_DEBUG=DETAIL, DDP's constructor segfaults on gloo
+        # (torch 2.14) on the checked group DETAIL makes; this one DETAIL leaves alone, and it checks the rest.
+        model = DDP(model, process_group=group_for_ddp())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         metrics = {"loss": step(model, opt, *batches(1)[0]).item(), "samples": BATCH}
         if RANK == 0 and not fixed:
             metrics["lr"] = 0.1  # BUG: logged by rank 0 only, its tensor has 3 values, the others' 2
-        dist.all_reduce(torch.tensor(list(metrics.values())))  # fixed: the same keys everywhere, lr logged apart
+        totals = torch.tensor(list(metrics.values()), device=DEVICE)
+        dist.all_reduce(totals)  # fixed: the same keys everywhere, lr logged apart
+        log(f"all-reduced {list(metrics)}: {[round(v, 3) for v in totals.tolist()]}")
     elif fault == "rank0-only":
         for i, (x, y) in enumerate(batches(STEPS)):
             step(model, opt, x, y)
             if not fixed:
-                log(f"step {i}")  # the training log (and the moment py-spy waits for)
+                log(f"step {i}")  # the training log (and the moment `stacks` waits for)
             if i == 1 and RANK == 0:
                 torch.save(model.state_dict(), os.devnull)  # the checkpoint
-                if not fixed:
+                if monitored:  # gloo's barrier that names the ranks that never came, after its own timeout
+                    dist.monitored_barrier(timeout=timedelta(seconds=4))
+                elif not fixed:
                     dist.barrier()  # BUG: meant for every rank, indented into rank 0's branch
             if i == 1 and fixed:
                 dist.barrier()  # fixed: every rank waits for the checkpoint
     elif fault == "uneven":  # fixed: scenario_uneven
-        for x, y in batches(STEPS + RANK):  # BUG: rank r has STEPS + r batches
+        model = DDP(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        n = STEPS + 1 if RANK == WORLD - 1 else STEPS  # BUG: the last rank's share of the data has a batch more
+        for x, y in batches(n):
             step(model, opt, x, y)
-        log(f"{STEPS + RANK} batches done")
+        log(f"{n} batches done")
         dist.barrier()  # everyone done before the checkpoint
     elif fault == "crash":
         data = batches(STEPS)
@@ -151,29 +124,39 @@ def program(fault, fixed=False):
         log(f"all-reduce on {x.device} over {dist.get_backend()}: {x.item():.0f} (expected {WORLD})")
 
 
-# --- running the broken program as a child job, and reading what it printed ---
-def child(args, fault, timeout_s, env=None, flags=(), stacks=None):
-    """torchrun --standalone, WORLD ranks, `--fault fault --broken`, none of our own job's torchrun variables;
-    returns (exit code, output, seconds). `stacks` receives py-spy's dump of every rank once all logged 'step 1'."""
+# --- running the broken program as a child job, and the tools on it ---
+def child(args, fault, timeout_s, env=None, flags=(), stacks_when=None, native=False):
+    """Run `torchrun --standalone` with WORLD ranks, `--fault fault --broken`, without our own job's torchrun
+    variables, and print the command; returns (exit code, output, seconds, stacks). `stacks_when` (pattern, count):
+    once `count` lines of output match, `python debug_tools.py stacks <torchrun's pid>` runs, and the job is stopped."""
     ours = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC_")
     clean = {k: v for k, v in os.environ.items() if not k.startswith(ours) and k != "TORCH_DISTRIBUTED_DEBUG"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", __file__,
-           "--fault", fault, "--broken", "--timeout-s", str(timeout_s), "--device", args.device, *flags]
-    t0 = time.time()
+    argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", Path(__file__).name,
+            "--fault", fault, "--broken", "--timeout-s", str(timeout_s), "--device", args.device, *flags]
+    print0("   $ " + shlex.join([*(f"{k}={v}" for k, v in (env or {}).items()), "python", *argv]))
+    t0, stacks = time.time(), ""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d, "out")
         with open(out, "w") as f:  # a file, not a pipe: nobody blocks on a full pipe while we wait
-            proc = subprocess.Popen(cmd, env={**clean, **(env or {})}, stdout=f, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen([sys.executable, *argv], cwd=HERE, env={**clean, **(env or {})}, stdout=f,
+                                    stderr=subprocess.STDOUT)
         while proc.poll() is None and time.time() - t0 < timeout_s + 90:  # the group's timeout ends it first
             time.sleep(0.2)
-            if stacks is not None and not stacks and out.read_text().count("step 1") == WORLD:
-                time.sleep(1)  # every rank has reached the bad step: they wait now
-                pids = dict(re.findall(r"\[rank (\d+)/\d+\] pid (\d+)", out.read_text()))
-                stacks += [subprocess.run(["py-spy", "dump", "--pid", pids[str(r)]], capture_output=True, text=True,
-                                          timeout=30).stdout for r in range(WORLD)]
+            if stacks_when and len(re.findall(stacks_when[0], out.read_text())) >= stacks_when[1]:
+                time.sleep(1)  # they wait now
+                stacks = tool("stacks", str(proc.pid), *(["--native"] if native else []))
+                break
         if proc.poll() is None:
             proc.terminate()  # the agent passes it on to its workers
-        return proc.wait(), out.read_text(), time.time() - t0
+        return proc.wait(), out.read_text(), time.time() - t0, stacks
+
+
+def tool(*argv):
+    """`python debug_tools.py ARGV`, printed as run; returns what it printed."""
+    print0("   $ " + shlex.join(["python", "debug_tools.py", *argv]))
+    res = subprocess.run([sys.executable, str(HERE / "debug_tools.py"), *argv], capture_output=True, text=True,
+                         timeout=300)
+    return res.stdout + res.stderr
 
 
 def show(lines, width=150):
@@ -183,27 +166,6 @@ def show(lines, width=150):
 
 def grep(text, pattern, most=4):  # the first lines of `text` that match
     return [ln for ln in text.splitlines() if re.search(pattern, ln)][:most]
-
-
-def dump_flight_recorder():
-    """Write this rank's Flight Recorder entries to $TORCH_FR_DUMP_TEMP_FILE<rank>, as NCCL does on a timeout:
-    gloo records (torch 2.14) but does not dump, and names its group '' where the entries say '0' (renamed)."""
-    trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
-    if "" in trace["pg_config"]:
-        trace["pg_config"] = {"0": {**trace["pg_config"].pop(""), "name": "0", "desc": "default_pg"}}
-    with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(RANK), "wb") as f:
-        pickle.dump(trace, f)
-
-
-def child_recorded(args, fault, timeout_s, stacks=None):
-    """child() with the Flight Recorder on (each rank dumps its entries on the error), plus what torchfrtrace,
-    PyTorch's analyser of those dumps, printed."""
-    with tempfile.TemporaryDirectory() as d:
-        rc, out, s = child(args, fault, timeout_s, stacks=stacks,
-                           env={"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": f"{d}/trace_"})
-        res = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", d,
-                              "--allow-incomplete-ranks"], capture_output=True, text=True, cwd=d, timeout=120)
-        return rc, out, s, res.stdout + res.stderr
 
 
 def diagnosed(ok, what):
@@ -219,63 +181,81 @@ def diagnosed(ok, what):
 def scenario_mismatch(args):
     print0("== mismatch: rank 0 all-reduces its metrics with an extra value (lr), the others without it")
     if RANK == 0:
-        rc, out, s = child(args, "mismatch", 5)
-        print0(f"-- the broken run: exit {rc} after {s:.0f} s; what the ranks said:")
-        show(grep(out, r"Timed out|Connection closed|^\[rank \d/\d\] (done|error)") or ["(nothing)"])
-        rc, out, s = child(args, "mismatch", 5, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+        rc, out, s, _ = child(args, "mismatch", 5)
+        print0(f"-- the broken run: exit {rc} after {s:.0f} s; what each rank said (a rank that printed a sum got "
+               "one made of the wrong values, and exited 0):")
+        show(grep(out, r"^\[rank \d/\d\] (all-reduced|error)", 2 * WORLD))
+        env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_SHOW_CPP_STACKTRACES": "1"}
+        rc, out, s, _ = child(args, "mismatch", 5, env=env)
         calls = re.findall(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, "
                            r"OpType=(\w+), TensorShape=(\[\d*\])", out)
-        print0(f"-- TORCH_DISTRIBUTED_DEBUG=DETAIL: exit {rc} after {s:.0f} s, and each rank says what differs:")
-        show(sorted({f"rank {r} runs {op} of shape {shape}" for r, op, shape in calls})
-             + re.findall(r"Collectives differ in the following aspects: *(.*)", out)[:1])
+        print0(f"-- DETAIL: exit {rc} after {s:.0f} s; each rank's error names the call of every rank:")
+        show(sorted({f"rank {r} runs {op} of shape {shape}" for r, op, shape in calls}))
+        print0("-- TORCH_SHOW_CPP_STACKTRACES=1 adds the C++ frames under the error (here: DETAIL's check):")
+        show(grep(out, r"Exception raised from|c10d::ProcessGroupWrapper::runCollectiveChecks", 2))
         ok = {"[3]", "[2]"} <= {shape for _, _, shape in calls}
     diagnosed(RANK != 0 or ok, "DETAIL's report of both shapes")
     program("mismatch", fixed=True)
     print0("OK mismatch: the broken run failed, DETAIL named both calls, the fix (the same keys on every rank) ran")
 
 
+def where_lines(stacks):  # the last lines `debug_tools.py stacks` prints: one per rank, where it waits
+    return [ln for ln in stacks.split("where each rank is")[-1].splitlines() if ln.strip().startswith("rank ")]
+
+
 def scenario_rank0_only(args):
     print0("== rank0-only: rank 0 saves a checkpoint, then a barrier meant for every rank waits in rank 0's branch")
     if RANK == 0:
-        stacks = [] if shutil.which("py-spy") else None
-        rc, out, s, fr = child_recorded(args, "rank0-only", 8, stacks=stacks)
-        print0(f"-- the broken run: it hangs; --timeout-s 8 turns it into an error, exit {rc} after {s:.0f} s:")
-        show(grep(out, r"error: a peer died"))
-        for r, dump in enumerate(stacks or []):
-            frames = [m.group(1) for m in re.finditer(r"^ +(\w+ \(.*?:\d+\))", dump, re.M)]
-            print0(f"-- py-spy dump --pid <rank {r}>: " + " <- ".join(frames[:3]))
-        if stacks is None:
-            print0("-- py-spy is not installed (pip install py-spy): the Flight Recorder's frames name the line")
-        ok = stacks is None or all("barrier" in dump or "all_reduce" in dump for dump in stacks)
-        print0("-- torchfrtrace on the Flight Recorder's dumps (one per rank):")
-        show(grep(fr, r"Collective sequence number|^collective:|error msg|^program at", 4), 200)
-        ok = ok and "Culprit rank" in fr and "barrier" in fr
-    diagnosed(RANK != 0 or ok, "the Flight Recorder's culprit (or py-spy's stacks)")
+        with tempfile.TemporaryDirectory() as d:
+            rc, out, s, stacks = child(args, "rank0-only", 8, flags=["--fr", d], stacks_when=(r"\] step 1\b", WORLD))
+            print0(f"-- the broken run hangs; --timeout-s 8 makes it an error: exit {rc} after {s:.0f} s. Meanwhile:")
+            show(where_lines(stacks))
+            fr = tool("fr", d, "--torch")
+        print0("-- what each rank's flight_recorder() wrote (at a 2 s wait, and on the error), then torch's analyser:")
+        show(fr.split("\ntorch's own")[0].splitlines()[-WORLD - 1:] + grep(fr, r"error msg: Culprit", 1), 200)
+        print0("   torch's analyser takes the lowest rank's call as the right one, so its 'Culprit' is the rank that "
+               "differs from rank 0: here rank 0, alone in its barrier, is the one that strayed")
+        rc, out, s, _ = child(args, "rank0-only", 30, flags=["--monitored", "--backend", "gloo"])
+        print0("-- dist.monitored_barrier(timeout=4 s) in the barrier's place (gloo): rank 0 names who never came:")
+        show(grep(out, r"failed to pass monitoredBarrier", 1))
+        stuck = [ln for ln in where_lines(stacks) if ln.strip().startswith("rank 0:")]
+        ok = stuck and " in barrier" in stuck[0] and "rank(s) [0]: " in fr and "monitoredBarrier" in out
+    diagnosed(RANK != 0 or ok, "stacks', the Flight Recorder's and monitored_barrier's naming of rank 0's barrier")
     program("rank0-only", fixed=True)
-    print0("OK rank0-only: the hang timed out, the Flight Recorder named rank 0's lone barrier, the fix ran")
+    print0("OK rank0-only: the hang timed out; stacks, the Flight Recorder and monitored_barrier each named rank 0's "
+           "lone barrier; the fix ran")
 
 
 def scenario_uneven(args):
-    print0(f"== uneven: rank r has {STEPS} + r batches, so the ranks issue different numbers of all-reduces")
+    last = WORLD - 1
+    print0(f"== uneven: PyTorch's DDP; rank {last}'s share of the data has {STEPS + 1} batches, the others' {STEPS}")
     if RANK == 0:
-        rc, out, s, fr = child_recorded(args, "uneven", 6)
-        print0(f"-- the broken run: the last step hangs; after --timeout-s 6, exit {rc} after {s:.0f} s:")
-        show(grep(out, r"batches done|error: a peer died", 2 * WORLD))
-        print0("-- torchfrtrace on the Flight Recorder's dumps: the first collective the ranks disagree on")
-        show(grep(fr, r"Collective sequence number|error msg|^program at", 3), 200)
-        ok = "COLLECTIVE_TYPE_MISMATCH" in fr and "'barrier'" in fr
-    diagnosed(RANK != 0 or ok, "the Flight Recorder's per-rank collectives")
+        rc, out, s, stacks = child(args, "uneven", 60, stacks_when=(r"batches done", last), native=True)
+        print0(f"-- the broken run hangs, no error for 60 s (stopped after {s:.0f} s); where each rank waits:")
+        show(where_lines(stacks), 200)
+        waits = {int(ln.split()[1][:-1]): ln for ln in where_lines(stacks)}
+        ok = "Tensor.backward <- c10d::Reducer" in waits.get(last, "") and \
+            all(" in barrier" in waits.get(r, "") for r in range(last))
+        print0(f"   rank {last} waits inside loss.backward(): DDP's reducer all-reduces the gradients there, "
+               "and the others, out of data, wait in the barrier after the loop")
+        rc, out, s, _ = child(args, "uneven", 10, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+        crashed = re.search(r"exitcode: -11", out)
+        print0(f"-- TORCH_DISTRIBUTED_DEBUG=DETAIL on it: exit {rc} after {s:.0f} s" + (
+            ", a segfault (exit code -11) in DDP's constructor, nothing printed (torch 2.14, gloo). What works: "
+            "stacks, above, for DDP's own wait; DETAIL for your other collectives with DDP on a group of its own, "
+            "DDP(model, process_group=debug_tools.group_for_ddp()) (mismatch runs so)" if crashed else ""))
+    diagnosed(RANK != 0 or ok, f"stacks naming rank {last} in backward, in DDP's reducer")
     from ddp_dropin import ManualDDP  # beside this file: 05's DDPCore plus DDP's surface, Join included
     for name, wrapper in [("PyTorch's DDP", DDP), ("ManualDDP", ManualDDP)]:
         model = wrapper(make_model())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with Join([model]):  # a rank out of batches shadows the others' all-reduces (with zeros) until all are done
-            for x, y in batches(STEPS + RANK):
+            for x, y in batches(STEPS + 1 if RANK == last else STEPS):
                 step(model, opt, x, y)
         dist.barrier()
         check_replicas(model)
         print0(f"-- the fix, with {name}: `with Join([model]):` around the loop; all done, replicas identical")
-    print0("OK uneven: the last step hung, the Flight Recorder showed a barrier against all-reduces, Join fixed it")
+    print0(f"OK uneven: the hang found by stacks in rank {last}'s backward (DDP's reducer), Join fixed it")
 
 
 def train_by_hand(seed, bn, clip_ranks, sync_buffers=False):
@@ -305,27 +285,33 @@ def scenario_drift(args):
             found = ""
         except RuntimeError as e:
             found = str(e)
-        print0(f"-- {bug}: loss {loss.item():.4f}, no error; check_replicas: {found or 'quiet'}")
+        print0(f"-- {bug}: loss {loss.item():.4f}, no error; check_replicas: {found[:250] or 'quiet'}")
         diagnosed(f"differ: {expected} " in found and f"rank(s) {ranks} " in found, f"check_replicas naming {expected}")
-    check_replicas(train_by_hand(0, True, everyone, sync_buffers=True)[0])  # raises if the fix were not one
-    print0("OK drift: nothing errored, check_replicas named each diverged tensor; the fix (one seed, the running "
-           "stats averaged, the clip on every rank): check_replicas is quiet")
+    print0("-- the fix (one seed, the running stats averaged, the clip on every rank): check_replicas says "
+           + check_replicas(train_by_hand(0, True, everyone, sync_buffers=True)[0]))  # raises if it were not a fix
+    print0("OK drift: nothing errored, check_replicas named each diverged tensor; after the fix it is quiet")
 
 
 def scenario_crash(args):
-    print0(f"== crash: rank {WORLD - 1} meets a corrupt sample and raises; its peers wait in the next all-reduce")
+    last = WORLD - 1
+    print0(f"== crash: rank {last} meets a corrupt sample and raises; its peers wait in the next all-reduce")
     if RANK == 0:
-        rc, out, s = child(args, "crash", 10)
-        print0(f"-- the broken run, exit {rc} after {s:.0f} s; torchrun's summary names a rank, not the error:")
-        show(grep(out[out.rfind("Root Cause"):], r"Root Cause|rank:|exitcode|error_file|traceback"), 120)
-        rc, out, s = child(args, "crash", 10, flags=["--record"])
-        mine = re.search(rf"rank +: {WORLD - 1} .*?(?=\n-{{9}}|\n\[\d+\]:|\Z)", out[out.rfind("Failures:"):], re.S)
-        print0(f"-- with @record (exit {rc}, {s:.0f} s): rank {WORLD - 1}'s exception, from its error file:")
+        rc, out, s, _ = child(args, "crash", 10)
+        print0(f"-- the broken run: exit {rc} after {s:.0f} s. Its log already holds rank {last}'s traceback, "
+               "written as it died (torchrun tags each line with the rank):")
+        show(grep(out, rf"^\[rank{last}\]:.*(Error|line \d+, in program)", 2), 120)
+        print0("-- torchrun's summary at the end names the failed ranks and exit codes, not the exception:")
+        show(grep(out[out.rfind("Failures:"):], r"rank +:|exitcode|error_file|traceback", 2 * WORLD), 120)
+        rc, out, s, _ = child(args, "crash", 10, flags=["--record"])
+        mine = re.search(rf"rank +: {last} .*?(?=\n-{{9}}|\n\[\d+\]:|\Z)", out[out.rfind("Failures:"):], re.S)
+        print0(f"-- with @record on the program (exit {rc}, {s:.0f} s): an error file per rank, which the summary "
+               f"reads, so rank {last}'s block holds its exception too (where the ranks' logs are out of sight):")
         ok = mine and "FloatingPointError: loss is nan at step 2" in mine.group(0)
         show(grep(mine.group(0) if mine else out, r"rank:|error_file|FloatingPointError|09_debugging.py", 6), 120)
     diagnosed(RANK != 0 or ok, "@record's root cause")
     program("crash", fixed=True)  # the fix: non-finite samples dropped where the data is read
-    print0(f"OK crash: torchrun named rank {WORLD - 1}, @record put its FloatingPointError first, the fix ran")
+    print0(f"OK crash: the log and torchrun named rank {last}, @record put its FloatingPointError in the summary, "
+           "the fix ran")
 
 
 def scenario_same_gpu(args):
@@ -333,7 +319,7 @@ def scenario_same_gpu(args):
     if DEVICE.type != "cuda":
         return print0("-- skipped: the ranks are on the CPU (a GPU per rank, or --device cuda, runs it)")
     if RANK == 0:
-        rc, out, s = child(args, "same-gpu", 60, env={"NCCL_DEBUG": "INFO"})
+        rc, out, s, _ = child(args, "same-gpu", 60, env={"NCCL_DEBUG": "INFO"})
         gpus = dict(re.findall(r" rank (\d+) nranks \d+ cudaDev \d+ nvmlDev \d+ busId (\w+)", out))
         print0(f"-- the broken run: exit {rc} after {s:.0f} s; NCCL_DEBUG=INFO names each rank's GPU by bus id:")
         show(grep(out, r"error: |Duplicate GPU", 2) + [f"rank {r}: busId {b}" for r, b in sorted(gpus.items())])
@@ -352,16 +338,13 @@ def main(args):
         DEVICE = torch.device("cuda")  # BUG: no torch.cuda.set_device(LOCAL_RANK): the current device, cuda:0
     else:
         DEVICE = setup(args)
-    if args.broken:
-        log(f"pid {os.getpid()}")  # what py-spy needs
-        if args.record:
-            return record(program)(args.fault[0])  # what @record adds: the exception in an error file torchrun reads
-        try:
+    if args.broken and args.record:
+        return record(program)(args.fault[0])  # what @record adds: the exception in an error file torchrun reads
+    if args.broken and args.fr:
+        with flight_recorder(args.fr, hang_s=2):  # each rank's record: after a 2 s wait, on an error, at the end
             return program(args.fault[0])
-        except RuntimeError:
-            if "TORCH_FR_DUMP_TEMP_FILE" in os.environ:
-                dump_flight_recorder()
-            raise
+    if args.broken:
+        return program(args.fault[0], monitored=args.monitored)
     for fault in args.fault:
         t0 = time.time()
         globals()["scenario_" + fault.replace("-", "_")](args)  # scenario_mismatch, scenario_rank0_only, ...
@@ -372,9 +355,15 @@ def main(args):
 def parse_args():
     p = Parser(__doc__)
     p.add_argument("--fault", nargs="+", choices=FAULTS + ("all",), default=["all"], help="the scenarios to run")
-    p.add_argument("--broken", action="store_true", help=argparse.SUPPRESS)  # the child job: the broken program
-    p.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # ... with @record on it
+    p.add_argument("--broken", action="store_true", help="run one scenario's broken program alone, as its child "
+                   "job does (then try the tools on it)")
+    p.add_argument("--record", action="store_true", help="with --broken: the program under torch's @record")
+    p.add_argument("--fr", metavar="DIR", help="with --broken: the program in debug_tools.flight_recorder(DIR)")
+    p.add_argument("--monitored", action="store_true", help="with --broken --fault rank0-only: its barrier is "
+                   "dist.monitored_barrier (gloo only)")
     args = p.parse_args()
+    if args.broken and (len(args.fault) != 1 or args.fault == ["all"]):
+        p.error("--broken runs one scenario's program: name it, e.g. --fault uneven")
     args.fault = list(FAULTS) if "all" in args.fault else args.fault
     return args
 
@@ -417,14 +406,13 @@ class Parser(argparse.ArgumentParser):  # the flags every script shares; a bad f
 def setup(args):  # choose the device, then join the group; returns the device
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never asks CUDA
-    per_rank = gpus >= local_world  # a GPU for every rank on this node: CUDA and NCCL (the local rank picks it)
-    on_gpu = per_rank or args.device == "cuda"  # fewer GPUs: the CPU, or with --device cuda the ranks share them
-    backend = args.backend or ("nccl" if per_rank else "gloo")  # NCCL cannot share a GPU between ranks; gloo can
-    if (on_gpu and gpus == 0) or (backend == "nccl" and not per_rank):
+    per_rank = gpus >= local_world  # a GPU for each rank on this node; fewer: the CPU, or shared with --device cuda
+    backend = args.backend or ("nccl" if per_rank else "gloo")  # gloo can share a GPU between ranks; NCCL cannot
+    if (args.device == "cuda" and gpus == 0) or (backend == "nccl" and not per_rank):
         raise UsageError(f"--device {args.device} --backend {backend}: {gpus} CUDA GPU(s) for {local_world} ranks")
-    device = torch.device("cuda", local_rank % gpus) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        torch.cuda.set_device(device)  # before init, so that NCCL binds this rank to its GPU
+    device = torch.device("cuda", local_rank % gpus) if per_rank or args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":  # before init, so that NCCL binds this rank to its GPU
+        torch.cuda.set_device(device)
     print0(f"device: {device.type}, {backend} (--device {args.device}, {gpus} GPU(s) for {local_world} ranks/node)")
     alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # plain `python`
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s), **alone)
@@ -437,12 +425,12 @@ def run(main, parse_args):
     except UsageError as e:  # every rank stops alike, exit 2; rank 0 says why
         print0(f"error: {e}")
         os._exit(2)  # at once: tearing down a group that is up can abort in gloo's threads at exit (SIGABRT)
-    except RuntimeError as e:  # a peer died, or a collective outlived --timeout-s: one line per rank, exit 1
+    except RuntimeError as e:  # a peer died or a collective outlived --timeout-s (gloo's are plain RuntimeErrors)
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):
             raise  # a bug in the script keeps its traceback
         log(f"error: a peer died or timed out: {str(e).strip().splitlines()[0][:200]}")
         os._exit(1)  # no teardown: it would wait for the dead peer
-    dist.destroy_process_group()  # main() always joins the group first (setup)
+    dist.destroy_process_group()  # main() always joins the group first
     time.sleep(0.05)  # gloo's threads drop their last tensors before the interpreter ends (else SIGABRT)
 
 

@@ -191,6 +191,19 @@ def _chunks(tensors, most):
         yield first, len(tensors)
 
 
+def group_for_ddp():
+    """Every rank in a group that TORCH_DISTRIBUTED_DEBUG=DETAIL leaves unchecked, for DDP(model,
+    process_group=group_for_ddp()): DETAIL wraps each group it sees created in a checker, and on gloo DDP's
+    constructor segfaults on that wrapper (torch 2.14). DDP's own all-reduces go unchecked; your other collectives
+    (metrics, evaluation, barriers) keep DETAIL's check. Call it on every rank, after init_process_group."""
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.OFF)  # new_group wraps the group only when DETAIL is on as it is created
+    try:
+        return dist.new_group()
+    finally:
+        dist.set_debug_level(level)
+
+
 # --- hangs: the Flight Recorder, on gloo and NCCL ---
 @contextlib.contextmanager
 def flight_recorder(dump_dir, hang_s=60.0):
