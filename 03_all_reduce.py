@@ -6,11 +6,9 @@ whatever N is, which is why rings scale. pipelined_ring_all_reduce() is the same
 all-reduce from 16 MiB (benchmarks/README.md). Both are checked against dist.all_reduce. DDP (05) sums gradients so.
 
 Run it (any N >= 2):
-  CPU:        torchrun --nproc_per_node=2 03_all_reduce.py
-              torchrun --nproc_per_node=3 03_all_reduce.py --trace        (the ring step by step)
-  N GPUs:     torchrun --nproc_per_node=N 03_all_reduce.py        (nccl, one GPU per rank)
-  2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 \\
-                  03_all_reduce.py
+  CPU:      torchrun --nproc_per_node=3 03_all_reduce.py [--trace]     (--trace: the ring step by step)
+  N GPUs:   torchrun --nproc_per_node=N 03_all_reduce.py        (nccl, one GPU per rank)
+  2 nodes:  torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 03_all_reduce.py
 """
 
 import argparse
@@ -56,9 +54,9 @@ def ring_all_reduce(tensor, trace=None):
 
 
 def exchange(send, recv, right, left):
-    """Send right and receive from the left, both at once (batch_isend_irecv): a rank alone in a blocking send would
-    wait for a receive its neighbour has not posted yet, and so on around the ring. Empty chunks (fewer elements
-    than ranks) are skipped by both neighbours. On a GPU, wait() only orders the streams."""
+    """Send right and receive from the left at once (batch_isend_irecv): blocking sends all round the ring would
+    deadlock (01 --blocking). Empty chunks (fewer elements than ranks) are skipped by both neighbours. On a GPU,
+    wait() only orders the streams."""
     ops = [dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)]
     ops = [op for op in ops if op.tensor.numel()]
     if ops:
@@ -71,8 +69,7 @@ def wait_all(reqs):
     reqs.clear()
 
 
-# --- the same ring, pipelined: above, each addition waits for a whole chunk to arrive, and the next send for the
-# whole addition. Cut into pieces, they overlap: piece j is added and sent on while piece j+1 is on the wire. ---
+# --- the same ring, pipelined: cut into pieces, piece j is added and sent on while piece j+1 is on the wire ---
 PIECE_BYTES = 1 << 20  # benchmarks/README.md: 1-4 MiB alike on 2 ranks here; 64 KiB (a wake-up each), 2.5x slower
 _staging = {}  # dtype -> receive buffers kept between calls: fresh memory costs a page fault per 4 KiB
 
@@ -142,9 +139,6 @@ def main(args):
     if WORLD < 2:  # a ring of one has no neighbour to pass chunks to
         raise UsageError(f"needs 2 or more ranks: launch with torchrun, e.g. torchrun --nproc_per_node=2 {sys.argv[0]}")
     device = setup(args)
-    # benchmarks/all_reduce.py reports busbw = algbw * 2(N-1)/N: each rank sends N-1 chunks of 1/N in each phase,
-    # 2(N-1)/N bytes per byte reduced, so busbw is comparable across N (nccl-tests' definition).
-    print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} torch={torch.__version__}")
     if args.trace:
         trace_ring(device)
     for shape, dtype in [((1000, 37), torch.float32), ((3,), torch.int64), ((WORLD - 1,), torch.float64)]:
