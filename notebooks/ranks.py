@@ -290,15 +290,16 @@ def _explain(error):
 def _is_dist(ename, evalue, tb):
     words = ("Timed out", "timed out", "Connection closed by peer", "pair closure", "Connection reset", "NCCL",
              "Watchdog caught collective operation timeout")
-    return ename in DIST_ERRORS or (ename == "RuntimeError" and "distributed_c10d" in _plain(tb)
-                                    and any(w in evalue for w in words))
+    return ename in DIST_ERRORS or (ename == "RuntimeError" and any(w in str(evalue) for w in words))
 
 
 def _collective(tb):
     """The torch.distributed function a rank failed in, from its traceback: 'dist.all_reduce'."""
     calls = re.findall(r"distributed_c10d\.py:\d+,? in (\w+)|distributed_c10d\.py\", line \d+, in (\w+)", _plain(tb))
     names = [a or b for a, b in calls if not (a or b).startswith("_") and (a or b) != "wrapper"]
-    return f"dist.{names[0]}" if names else "a collective"
+    if names:
+        return f"dist.{names[0]}"
+    return "a send/recv's wait()" if re.search(r"(send|recv) operation", _plain(tb)) else "a collective"
 
 
 def _failures(failed):
@@ -333,7 +334,7 @@ def check(name):
     _ready()
     defined, solution = CHECKS[name]
     rc = _state["client"]
-    result = rc[:].apply_async(_grade, name, defined)
+    result = rc[:].apply_async(_grade, name, defined, _state["args"][1])
     try:
         verdicts = result.get()
     except KeyboardInterrupt:
@@ -346,6 +347,11 @@ def check(name):
     see = (f"To see a solution: {solution}; or run `python exercises/check.py {name} --solution` in a terminal, "
            f"and read the file it grades.")
     kinds = {v[0] for v in verdicts}
+    if "broken" in kinds:  # a rank failed or waited in a collective the others never joined
+        what = "; ".join(f"rank {r} {v[1]}" for r, v in enumerate(verdicts) if v[0] == "broken")
+        _state["broken"] = what
+        raise GroupError(f"your {defined} left the ranks out of step: {what}. The group cannot be used again: run "
+                         f"rc = ranks.reset(), then the cell that defines {defined}, then this one.")
     if kinds == {"pass"}:
         print(f"passed on {len(verdicts)} ranks: " + "\n".join(verdicts[0][1]))
     elif kinds == {"not written"}:
@@ -356,7 +362,9 @@ def check(name):
         raise CheckFailed(f"your {defined}" + (": " if kind == "fail" else f" (rank {r}) ") + f"{said}\n{see}")
 
 
-def _grade(name, defined):  # runs in every rank
+def _grade(name, defined, timeout_s):  # runs in every rank
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     import __main__
@@ -370,6 +378,10 @@ def _grade(name, defined):  # runs in every rank
     if obj is None:
         return ("error", f"is not defined on this rank: run the cell that defines {defined} (%%px, on every rank)")
     grading.install_counters()  # counts the messages a solution sends (only inside the checks' recordings)
+    # The verdicts' own group (grading's), with the group's timeout, not gloo's default 30 minutes: a rank that fails
+    # in the reader's code leaves the others waiting there for the verdict.
+    if id(dist.group.WORLD) not in grading._books:
+        grading._books[id(dist.group.WORLD)] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     try:
         return ("pass", grading.EXERCISES[name].check(obj))
     except grading.Failed as e:
@@ -381,6 +393,9 @@ def _grade(name, defined):  # runs in every rank
     except Exception as e:
         frames = [f for f in traceback.extract_tb(e.__traceback__) if _in_cell(f.filename)]
         where = f" (line {frames[-1].lineno} of your cell: `{frames[-1].line}`)" if frames else ""
+        if _is_dist(type(e).__name__, str(e), ""):
+            said = "timed out" if "imed out" in str(e) else f"failed ({_first_line(e)})"
+            return ("broken", said + (where or " in the check, waiting for the other ranks' verdict"))
         return ("error", f"raised {type(e).__name__}: {e}{where}")
 
 

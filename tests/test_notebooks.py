@@ -212,8 +212,9 @@ def test_a_readers_sitting_costs_one_cell_per_mistake_and_a_killed_kernel_leaves
     tests/exercise_solutions and names a planted mistake; a cell failing on rank 1 shows rank 1's error; Stop frees
     ranks that can be interrupted and says to reset when a rank is stuck in a collective (the next cell refuses at
     once); ranks.reset() gives a working group; a collective only rank 0 joins fails in bounded time with one
-    GroupError naming it, later cells say the group broke, reset again works; then the kernel is SIGKILLed and its
-    ranks, cluster files and profile are gone within 2 s."""
+    GroupError naming it, later cells say the group broke, reset again works; a "Your turn" answer that leaves a
+    rank waiting ends its check in bounded time, naming the line; then the kernel is SIGKILLed and its ranks,
+    cluster files and profile are gone within 2 s."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -274,6 +275,14 @@ def test_a_readers_sitting_costs_one_cell_per_mistake_and_a_killed_kernel_leaves
                                 "as dist\n    dist.all_reduce(torch.ones(1))\n    return dist.get_rank()\n\n\n"
                                 "print(rc[:].apply_sync(joined))")
         assert error is None and "[0, 1]" in said, said
+
+        # A "Your turn" answer that leaves a rank waiting: the check ends in bounded time and says where.
+        hangs = "%%px\nimport torch.distributed as dist\n\n\ndef ring_all_reduce(tensor):\n    if RANK == 0:\n" \
+                "        dist.irecv(tensor, 1).wait()\n    return tensor"
+        assert me.run(hangs)[0] is None
+        error, said, took = me.run(your_turn(NOTEBOOKS[0])[1])
+        assert error is not None and error.ename == "GroupError" and took < 30, (took, said)
+        assert "rank 0 timed out (line 6 of your cell: `dist.irecv(tensor, 1).wait()`)" in said, said
 
         # The kernel killed: its ranks, cluster files and profile go with it.
         assert rank_processes(tmp_path / "ipython"), "the ranks should be running now"
