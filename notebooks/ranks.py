@@ -81,7 +81,7 @@ def start(n, timeout_s=TIMEOUT_S, device="auto"):
                                                      "--HeartMonitor.max_heartmonitor_misses=5"]
     config.LocalEngineLauncher.engine_cmd = [*watched, "ipyparallel.engine", "--IPEngine.enable_nanny=False"]
     cluster = ipp.Cluster(n=n, config=config, log_level=40, profile_dir=profile, cluster_file="",
-                          shutdown_atexit=False)  # 40: errors only; at exit _stop() kills, faster than asking
+                          shutdown_atexit=False)  # 40: errors only; at exit stop() kills, faster than asking
     _state.update(cluster=cluster, profile=profile, args=(n, timeout_s, device), broken=None, busy=None, pids=[])
     cluster.start_cluster_sync()
     rc = _state["client"] = cluster.connect_client_sync()

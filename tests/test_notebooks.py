@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -186,7 +187,7 @@ class Sitting:
     """One kernel driven cell by cell by nbclient, as a reader's notebook: run(source) returns (error, text)."""
 
     def __init__(self, client):
-        self.client, self.n = client, 0
+        self.client = client
 
     def run(self, source, interrupt_after=None):
         import nbformat
@@ -194,8 +195,7 @@ class Sitting:
         self.client.nb.cells.append(cell)
         if interrupt_after is not None:  # Stop, as Jupyter sends it: SIGINT to the kernel
             pid = self.client.km.provisioner.process.pid
-            timer = __import__("threading").Timer(interrupt_after, os.kill, (pid, signal.SIGINT))
-            timer.start()
+            threading.Timer(interrupt_after, os.kill, (pid, signal.SIGINT)).start()
         t0 = time.time()
         self.client.execute_cell(cell, len(self.client.nb.cells) - 1)
         took = time.time() - t0
@@ -261,7 +261,6 @@ def test_a_readers_sitting_costs_one_cell_per_mistake_and_a_killed_kernel_leaves
         print(f"ranks.reset(): {took:.1f} s")
 
         # A collective only rank 0 joins: one GroupError after the group's timeout (5 s), in words.
-        t0 = time.time()
         error, said, took = me.run("%%px\nimport torch, torch.distributed as dist\n"
                                    "if RANK == 0:\n    dist.all_reduce(torch.ones(1))")
         assert error is not None and error.ename == "GroupError" and took < 30, (took, said)
