@@ -126,6 +126,31 @@ def defined(path, qualname):
     return True
 
 
+def test_a_broken_group_is_told_in_one_line_naming_who_waited_where(monkeypatch):
+    """ranks._explain on the errors ipyparallel hands back (no ranks started): the collective read from the rank's
+    traceback, a rank that failed otherwise named with its error, a dead rank, a plain error left to speak."""
+    import ranks
+    from ipyparallel import error
+    monkeypatch.setattr(ranks, "_state", {"args": (3, 5, "auto"), "broken": None})
+    tb = ("File ~/torch/distributed/c10d_logger.py:81, in wrapper(*args, **kwargs)\n"
+          "File ~/torch/distributed/distributed_c10d.py:2950, in all_reduce(tensor, op, group, async_op)\n")
+    timed_out = ("DistBackendError", "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv "
+                 "operation to complete", tb, {"engine_id": 0})
+    disagrees = ("AssertionError", "rank 1 disagrees", "assert RANK != 1", {"engine_id": 1})
+    said = ranks._explain(error.CompositeError("", [timed_out, disagrees]))
+    assert said.startswith("rank 0 timed out in dist.all_reduce; rank 1 failed (AssertionError: rank 1 disagrees), "
+                           "so never joined it. The group cannot be used again: run ranks.reset()"), said
+    died = ("EngineError", "Engine 2 died while running task 'abc'", "", {})
+    ranks._state["broken"] = None
+    said = ranks._explain(error.CompositeError("", [timed_out, died]))
+    assert "rank 0 timed out in dist.all_reduce; rank 2's process died; rank 1 finished the cell" in said, said
+    ranks._state["broken"] = None
+    assert ranks._explain(error.CompositeError("", [disagrees])) is None  # the rank's own error speaks
+    ranks._state["broken"] = "rank 0 timed out in dist.all_reduce"
+    said = ranks._explain(error.CompositeError("", [disagrees]))
+    assert "the group broke in an earlier cell (rank 0 timed out in dist.all_reduce)" in said, said
+
+
 # --- top to bottom, headless ---
 EXECUTE = """
 import sys, time
