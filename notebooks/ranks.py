@@ -201,7 +201,8 @@ def _px(px, magics, line="", cell=None):
     except KeyboardInterrupt:
         raise _interrupted(magics.last_result) from None
     except Exception as e:
-        said = _explain(e)
+        targets = getattr(magics.last_result, "_targets", None)
+        said = _explain(e, targets if isinstance(targets, list) else None)
         if said is None:
             raise
         raise GroupError(said) from None
@@ -250,7 +251,7 @@ def _interrupted(result, grace_s=1):
 DIST_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
 
 
-def _explain(error):
+def _explain(error, targets=None):
     """A GroupError's message for a failed cell, or None where the error speaks for itself (no collective broke)."""
     from ipyparallel import error as ipp_error
 
@@ -277,12 +278,15 @@ def _explain(error):
     what = "; ".join(f"rank {r}'s process died" if op == "died" else
                      f"rank {r} {'timed out' if 'imed out' in ev or 'timeout' in ev else 'failed'} in {op}"
                      for r, op, ev in broke)
-    others = [r for r in range(n) if r not in {b[0] for b in broke}]
+    ran = range(n) if targets is None else targets  # %%px --targets 0: the others never saw the cell
+    others = [r for r in ran if r not in {b[0] for b in broke}]
     other_failed = [f for f in failed if f[0] in others]
     if other_failed:
         what += f"; {_failures(other_failed)}, so never joined it"
     elif others:
         what += f"; {_ranks(others)} finished the cell without joining it"
+    if len(ran) < n:
+        what += f"; {_ranks(sorted(set(range(n)) - set(ran)))} did not run the cell (not among its --targets)"
     _state["broken"] = what
     return f"{what}. The group cannot be used again: run ranks.reset() for a fresh group of {n} ranks."
 

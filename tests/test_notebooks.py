@@ -145,6 +145,9 @@ def test_a_broken_group_is_told_in_one_line_naming_who_waited_where(monkeypatch)
     said = ranks._explain(error.CompositeError("", [timed_out, died]))
     assert "rank 0 timed out in dist.all_reduce; rank 2's process died; rank 1 finished the cell" in said, said
     ranks._state["broken"] = None
+    said = ranks._explain(error.RemoteError(*timed_out), targets=[0])  # %%px --targets 0
+    assert said.startswith("rank 0 timed out in dist.all_reduce; ranks 1, 2 did not run the cell"), said
+    ranks._state["broken"] = None
     assert ranks._explain(error.CompositeError("", [disagrees])) is None  # the rank's own error speaks
     ranks._state["broken"] = "rank 0 timed out in dist.all_reduce"
     said = ranks._explain(error.CompositeError("", [disagrees]))
@@ -275,7 +278,7 @@ def test_a_readers_sitting_costs_one_cell_per_mistake_and_a_killed_kernel_leaves
         assert error is None and said.count("sum 2") == 2, said
 
         # Stop while rank 0 waits in a collective rank 1 never joins: the cell says so, the next refuses at once.
-        error, said, took = me.run("%%px\nif RANK == 0:\n    dist.all_reduce(torch.ones(1))", interrupt_after=0.5)
+        error, said, took = me.run("%%px --targets 0\ndist.all_reduce(torch.ones(1))", interrupt_after=0.5)
         assert error is not None and error.ename == "GroupError" and "rank 0 did not stop" in said, said
         assert "ranks.reset()" in said and took < 4, (took, said)
         error, said, took = me.run("%%px\nprint(RANK)")
