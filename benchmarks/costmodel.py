@@ -383,8 +383,9 @@ def activation_bytes(m, seq, batch, checkpointing="none", attention="flash"):
     scores, their softmax and its dropout mask. Flash attention (PyTorch's scaled_dot_product_attention on A100 and
     H100 in bf16) never stores those, nor does selective recomputation (the paper's: recompute that attention core
     in backward): 34 s b h. Full recomputation keeps each layer's input, 2 s b h, and rebuilds one layer at a time
-    in backward. Plus the fp32 logits and their gradient, 8 s b vocab (the head is not checkpointed). 34 counts a
-    GPT layer (4h MLP, dropout); a Llama layer (SwiGLU, no dropout) stores about as much (~36 for Llama 2 7B)."""
+    in backward. Plus the fp32 logits and their gradient, 8 s b vocab (the head is not checkpointed). 34 counts each
+    tensor of a GPT layer once; Hugging Face's eager layers keep more (GPT-2 40, a Llama layer 46:
+    benchmarks/README.md), so read it as a lower bound; full checkpointing's 2 s b h is exact."""
     s, b, h, layers = seq, batch, m["d"], m["layers"]
     whole = 34 * s * b * h + (5 * m.get("heads", 1) * s * s * b if attention == "eager" else 0)
     kept = {"none": whole * layers, "selective": 34 * s * b * h * layers,
