@@ -355,9 +355,8 @@ def memory_status():
 
 
 def peak_memory(fn, device):
-    """(fn(), the most memory in use while it ran, beyond what was in use before). CUDA: the allocator's tensor
-    bytes. CPU (Linux): the resident set less the libraries' code pages, with glibc returning freed blocks of
-    64 KiB or more to the system at once (main sets it), so that it counts memory in use, not memory once used."""
+    """(fn(), the most memory in use while it ran, beyond what was in use before). CUDA: the allocator's tensor bytes.
+    CPU (Linux): the resident set less code pages; glibc frees blocks of 64 KiB or more at once (main sets it)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
@@ -408,7 +407,7 @@ def train(kind, base, args, device):
 
 def check(runs, kinds, device, atol):
     """Weights bit-identical across ranks and equal to DDP + AdamW's: bit for bit where the gradient sums are (gloo,
-    or 2 ranks; docs/zero.md), else to ``atol``. One verdict for all ranks, so that all of them raise or none does."""
+    or 2 ranks; docs/zero.md), else to ``atol``; finite (too large an --lr diverges). One verdict for all ranks."""
     exact = dist.get_backend() == "gloo" or WORLD <= 2
     ref = torch.cat([p.detach().reshape(-1) for p in runs[0]["model"].parameters()])
     for kind in kinds[1:]:
@@ -416,8 +415,11 @@ def check(runs, kinds, device, atol):
         rank0 = w.clone()
         dist.broadcast(rank0, src=0)
         same = torch.equal(w, ref) if exact else torch.allclose(w, ref, rtol=0, atol=atol)
-        bad = torch.tensor([float(not torch.equal(rank0, w)), float(not same)], device=device)
+        lost = not torch.cat([ref, w, w.new_tensor(runs[0]["losses"] + runs[kind]["losses"])]).isfinite().all()
+        bad = torch.tensor([float(not torch.equal(rank0, w)), float(not same), float(lost)], device=device)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad[2]:  # nan equals nothing: "the weights differ" would send the reader hunting for a bug
+            raise UsageError(f"{NAMES[kind]} or DDP: the loss or the weights went to inf or nan: try a smaller --lr")
         if bad.any():
             raise RuntimeError(f"{NAMES[kind]}: weights differ across ranks ({bad[0].item():.0f}) or from DDP's "
                                f"({bad[1].item():.0f}, by up to {(w - ref).abs().max():.3g})")
@@ -451,7 +453,6 @@ def main(args):
     # of lr a step (2.3e-6 in 5 steps at lr 1e-3, once measured on gloo with mismatched layouts): allow 1% of lr a step.
     atol = 0.01 * args.lr * args.steps
     exact = check(runs, kinds, device, atol)
-    # What every rank holds and sends, side by side: rank 0 prints one table for all.
     table = [None] * WORLD
     dist.all_gather_object(table, [(*runs[k]["held"], runs[k]["peak"], runs[k]["sent"]) for k in kinds])
     print0("\n| rank | MiB | " + " | ".join(NAMES[k] for k in kinds) + " |\n|---:|---|" + "---:|" * len(kinds))
