@@ -416,7 +416,8 @@ def build(impl, args, device, zero):
     dtype = {"fp32": None, "bf16": torch.bfloat16}[args.param_dtype]
     reshard = False if args.no_reshard_after_forward else None  # None: True, but False for the root
     # A mesh on OUR device: without one, fully_shard builds it on the machine's accelerator (CUDA whenever a GPU
-    # exists, even under --device cpu) and moves the module there.
+    # exists, even under --device cpu) and moves the module there. A 2-D mesh (nodes x GPUs per node, from
+    # init_device_mesh) would shard within each node and replicate across nodes: HSDP.
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     for m in [*model.transformer.h, model]:  # each block a unit, then the root
         if impl == "ours":
