@@ -97,7 +97,7 @@ def program(fault, fixed=False, monitored=False):
             if i == 1 and RANK == 0:
                 torch.save(model.state_dict(), os.devnull)  # the checkpoint
                 if monitored:  # gloo's barrier that names the ranks that never came, after its own timeout
-                    dist.monitored_barrier(timeout=timedelta(seconds=4))
+                    dist.monitored_barrier(timeout=timedelta(seconds=4), wait_all_ranks=True)
                 elif not fixed:
                     dist.barrier()  # BUG: meant for every rank, indented into rank 0's branch
             if i == 1 and fixed:
@@ -125,10 +125,11 @@ def program(fault, fixed=False, monitored=False):
 
 
 # --- running the broken program as a child job, and the tools on it ---
-def child(args, fault, timeout_s, env=None, flags=(), stacks_when=None, native=False):
+def child(args, fault, timeout_s, env=None, flags=(), stacks_when=None, native=False, stop=lambda: True):
     """Run `torchrun --standalone` with WORLD ranks, `--fault fault --broken`, without our own job's torchrun
     variables, and print the command; returns (exit code, output, seconds, stacks). `stacks_when` (pattern, count):
-    once `count` lines of output match, `python debug_tools.py stacks <torchrun's pid>` runs, and the job is stopped."""
+    once `count` lines of output match, `python debug_tools.py stacks <torchrun's pid>` runs; the job is stopped
+    as soon as `stop()` says so."""
     ours = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC_")
     clean = {k: v for k, v in os.environ.items() if not k.startswith(ours) and k != "TORCH_DISTRIBUTED_DEBUG"}
     argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", Path(__file__).name,
@@ -142,9 +143,10 @@ def child(args, fault, timeout_s, env=None, flags=(), stacks_when=None, native=F
                                     stderr=subprocess.STDOUT)
         while proc.poll() is None and time.time() - t0 < timeout_s + 90:  # the group's timeout ends it first
             time.sleep(0.2)
-            if stacks_when and len(re.findall(stacks_when[0], out.read_text())) >= stacks_when[1]:
+            if stacks_when and not stacks and len(re.findall(stacks_when[0], out.read_text())) >= stacks_when[1]:
                 time.sleep(1)  # they wait now
                 stacks = tool("stacks", str(proc.pid), *(["--native"] if native else []))
+            if stacks and stop():
                 break
         if proc.poll() is None:
             proc.terminate()  # the agent passes it on to its workers
@@ -207,14 +209,16 @@ def scenario_rank0_only(args):
     print0("== rank0-only: rank 0 saves a checkpoint, then a barrier meant for every rank waits in rank 0's branch")
     if RANK == 0:
         with tempfile.TemporaryDirectory() as d:
-            rc, out, s, stacks = child(args, "rank0-only", 8, flags=["--fr", d], stacks_when=(r"\] step 1\b", WORLD))
-            print0(f"-- the broken run hangs; --timeout-s 8 makes it an error: exit {rc} after {s:.0f} s. Meanwhile:")
+            rc, out, s, stacks = child(args, "rank0-only", 60, flags=["--fr", d], stacks_when=(r"\] step 1\b", WORLD),
+                                       stop=lambda: len(os.listdir(d)) >= WORLD)  # every rank's record written
+            print0(f"-- the broken run hangs (no error for --timeout-s 60; stopped after {s:.0f} s); where each waits:")
             show(where_lines(stacks))
             fr = tool("fr", d, "--torch")
-        print0("-- what each rank's flight_recorder() wrote (at a 2 s wait, and on the error), then torch's analyser:")
-        show(fr.split("\ntorch's own")[0].splitlines()[-WORLD - 1:] + grep(fr, r"error msg: Culprit", 1), 200)
-        print0("   torch's analyser takes the lowest rank's call as the right one, so its 'Culprit' is the rank that "
-               "differs from rank 0: here rank 0, alone in its barrier, is the one that strayed")
+        print0("-- what each rank's flight_recorder() wrote once a collective had waited 2 s, then torch's analyser:")
+        ours = fr.split("\ntorch's own")[0]
+        show(ours[ours.find("the ranks part"):].splitlines() + grep(fr, r"error msg: Culprit", 1), 200)
+        print0("   torch's 'Culprit rank R': R's call differs from that of the rank whose record it read first, "
+               "which may be the one at fault: read which call each rank made (above: rank 0 alone in barrier)")
         rc, out, s, _ = child(args, "rank0-only", 30, flags=["--monitored", "--backend", "gloo"])
         print0("-- dist.monitored_barrier(timeout=4 s) in the barrier's place (gloo): rank 0 names who never came:")
         show(grep(out, r"failed to pass monitoredBarrier", 1))
@@ -222,8 +226,8 @@ def scenario_rank0_only(args):
         ok = stuck and " in barrier" in stuck[0] and "rank(s) [0]: " in fr and "monitoredBarrier" in out
     diagnosed(RANK != 0 or ok, "stacks', the Flight Recorder's and monitored_barrier's naming of rank 0's barrier")
     program("rank0-only", fixed=True)
-    print0("OK rank0-only: the hang timed out; stacks, the Flight Recorder and monitored_barrier each named rank 0's "
-           "lone barrier; the fix ran")
+    print0("OK rank0-only: stacks, the Flight Recorder and monitored_barrier each named rank 0's lone barrier; the "
+           "fix ran")
 
 
 def scenario_uneven(args):
@@ -299,7 +303,7 @@ def scenario_crash(args):
         rc, out, s, _ = child(args, "crash", 10)
         print0(f"-- the broken run: exit {rc} after {s:.0f} s. Its log already holds rank {last}'s traceback, "
                "written as it died (torchrun tags each line with the rank):")
-        show(grep(out, rf"^\[rank{last}\]:.*(Error|line \d+, in program)", 2), 120)
+        show(grep(out, rf"^\[rank{last}\]:( +File .*, in program|\s*\w+Error: )", 2), 120)
         print0("-- torchrun's summary at the end names the failed ranks and exit codes, not the exception:")
         show(grep(out[out.rfind("Failures:"):], r"rank +:|exitcode|error_file|traceback", 2 * WORLD), 120)
         rc, out, s, _ = child(args, "crash", 10, flags=["--record"])
@@ -353,7 +357,7 @@ def main(args):
 
 # --- command line ---
 def parse_args():
-    p = Parser(__doc__)
+    p = Parser(__doc__, timeout_s=600)  # the other ranks wait in a collective while rank 0 runs a child job
     p.add_argument("--fault", nargs="+", choices=FAULTS + ("all",), default=["all"], help="the scenarios to run")
     p.add_argument("--broken", action="store_true", help="run one scenario's broken program alone, as its child "
                    "job does (then try the tools on it)")

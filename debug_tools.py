@@ -81,6 +81,8 @@ def check_replicas(module, optimizer=None, group=None):
         t, ranks = tensors[common[i]], table[:, i].nonzero().flatten().tolist()
         worst = table[:, i].nan_to_num(0).max().item()
         by = f"by up to {worst:.3g}" if worst > 0 else "in its bits only (NaN or -0.0)"
+        if re.search(r"running_(mean|var)$", common[i]):  # the one difference PyTorch's DDP leaves between steps
+            by += " (BatchNorm's statistics: DDP copies rank 0's as each forward starts; SyncBatchNorm averages them)"
         problems.append(f"{common[i]} ({str(t.dtype)[6:]}, {tuple(t.shape)}) on rank(s) {ranks} differs from rank "
                         f"0's {by}")
     if problems:
@@ -121,7 +123,7 @@ def _replica_state(module, optimizer):
             else:
                 add(at + n, v)
         if not m.training:
-            facts[f"{(at or '(the model)').rstrip('.')} in eval mode"] = True
+            facts[f"{repr(mname) if mname else 'the model'} is in eval mode"] = True
     if optimizer is not None:
         names = {id(p): n for n, p in module.named_parameters()}
         for g, params in enumerate(optimizer.param_groups):
@@ -442,9 +444,9 @@ def main(argv=None):
         sys.exit(f"error: no rank_<R> files in {args.dir}")
     print("\n".join(summarize_records(records)))
     cmd = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", args.dir, "--allow-incomplete-ranks"]
-    print(f"\ntorch's own analyser: python {' '.join(cmd[1:])} (or torchfrtrace); in its output, 'Culprit rank R' "
-          "means rank R's call differs from the lowest rank's: torch takes the lowest rank as right, so when rank 0 is "
-          "the one that strayed, every other rank is named.")
+    print(f"\ntorch's own analyser: python {' '.join(cmd[1:])} (or torchfrtrace). In its output, 'Culprit rank R' "
+          "means that R's call differs from that of the rank whose record it read first, which may be the rank at "
+          "fault: read which call each rank made, above.")
     if args.torch:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         print(res.stdout + res.stderr)

@@ -5,8 +5,9 @@ then fix `train` so that every rank ends with the same model, bit for bit.
 See it:    torchrun --nproc_per_node=2 exercises/find_the_bug.py      (the loss, then check_replicas' verdict)
 Check it:  python exercises/check.py find_the_bug
 
-Tools: 09's check_replicas(model) names the first tensor that differs, the ranks and by how much (this file calls
-it below); the README's troubleshooting table (09) lists the usual causes of drift.
+Tools: check_replicas(model) from debug_tools.py (09_debugging.py imports it; this file calls it below) names the
+first tensor that differs, the ranks and by how much; docs/debugging.md's troubleshooting table lists the usual
+causes of drift.
 """
 
 import torch

@@ -6,6 +6,8 @@ need 2 ranks, so they meet NCCL only where there are 2 GPUs or more, as does Man
 """
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,7 +29,7 @@ ARGS = {
                                "--precision", "bf16", "--sync-bn"],
     "07_zero.py": ["--n-layer", "2", "--n-embd", "64", "--steps", "3"],
     "08_fsdp.py": ["--n-layer", "2", "--n-embd", "64", "--max-steps", "3"],
-    "09_debugging.py": ["--fault", "mismatch", "drift", "crash", "same-gpu"],  # not rank0-only, uneven: untried on GPU
+    "09_debugging.py": ["--fault", "all"],  # rank0-only and uneven (stacks, the Flight Recorder) untried on GPU
 }
 ENV = dict(CUBLAS_WORKSPACE_CONFIG=":4096:8")  # lets deterministic cuBLAS run, for the bit-for-bit workers
 
@@ -141,3 +143,35 @@ def test_resnet_resumes_in_bf16_from_an_fp32_checkpoint(tmp_path):
     more = launch.torchrun("06_torch_ddp_resnet.py", 1, args + ["--epochs", "2", "--precision", "bf16"], timeout=600,
                            device="cuda")
     assert more.returncode == 0 and more.ok_line() and "resumed" in more.output, more.output
+
+
+# --- debug_tools.py on a reader's own job (tests/workers/buggy_train.py), with CUDA tensors ---
+READER = "tests/workers/buggy_train.py"
+
+
+def test_check_replicas_compares_cuda_replicas_over_gloo():
+    """Two ranks sharing the GPU(s) over gloo: check_replicas moves the bytes to the CPU that gloo works on, and
+    names the plain tensor attribute that PyTorch's DDP never broadcasts."""
+    res = launch.torchrun(READER, 2, ["--bug", "seed", "--ddp", "--check", "--epochs", "1"], timeout=300,
+                          device="cuda", PYTHONPATH=launch.REPO)
+    assert "replicas differ: module.proj (float32, (16, 16)) on rank(s) [1] " in res.output, res.output
+
+
+@two_gpus
+def test_nccl_dumps_its_flight_recorder_on_a_timeout_and_debug_tools_reads_it(tmp_path):
+    """An evaluation that only rank 0 runs gathers on NCCL: NCCL's watchdog ends the job after --timeout and, with
+    TORCH_NCCL_DUMP_ON_TIMEOUT=1 and TORCH_FR_DUMP_TEMP_FILE, writes each rank's record, which `debug_tools.py fr`
+    reads; flight_recorder() writes the same from Python. check_replicas runs on NCCL."""
+    args = ["--bug", "eval-gather", "--ddp", "--backend", "nccl", "--timeout", "20"]
+    for how, extra, env in [("NCCL's own dump", [], dict(TORCH_NCCL_DUMP_ON_TIMEOUT=1,
+                                                         TORCH_FR_DUMP_TEMP_FILE=f"{tmp_path}/nccl/rank_")),
+                            ("flight_recorder()", ["--record", tmp_path / "py"], {})]:
+        res = launch.torchrun(READER, 2, args + extra, timeout=300, device="cuda", PYTHONPATH=launch.REPO, **env)
+        assert res.returncode != 0, res.output
+        folder = tmp_path / ("nccl" if extra == [] else "py")
+        fr = subprocess.run([sys.executable, "debug_tools.py", "fr", str(folder)], cwd=launch.REPO,
+                            capture_output=True, text=True, timeout=300)
+        assert re.search(r"rank\(s\) \[0\]: nccl:\S*gather.* from evaluate", fr.stdout), (how, fr.stdout + fr.stderr)
+    res = launch.torchrun(READER, 2, ["--bug", "seed", "--ddp", "--check", "--backend", "nccl", "--epochs", "1"],
+                          timeout=300, device="cuda", PYTHONPATH=launch.REPO)
+    assert "replicas differ: module.proj (float32, (16, 16)) on rank(s) [1] " in res.output, res.output

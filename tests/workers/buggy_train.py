@@ -26,6 +26,8 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--timeout", type=float, default=60, help="the process group's timeout, seconds")
 parser.add_argument("--check", action="store_true", help="debug_tools.check_replicas after training")
 parser.add_argument("--record", help="wrap the loop in debug_tools.flight_recorder(DIR)")
+parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: GPU LOCAL_RANK mod the GPUs")
+parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
 args = parser.parse_args()
 
 
@@ -66,17 +68,22 @@ def train(model, opt, data):
     dist.barrier()  # wait for everyone before saving
 
 
-dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+device = torch.device("cpu")
+if args.device == "cuda":
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(rank if args.bug == "seed" else 0)
-model = Net()
+model = Net().to(device)
+model.proj = model.proj.to(device)  # .to() moves parameters and buffers only
 torch.manual_seed(100 + rank)  # each rank's own shuffling and dropout
 if args.ddp:
     model = DDP(model)
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 g = torch.Generator().manual_seed(0)
 n = 8 * 3 * world + (8 if args.bug == "uneven" else 0)  # 3 batches of 8 per rank (uneven: one batch more)
-xs, ys = torch.randn(n, 16, generator=g), torch.randn(n, 1, generator=g)
+xs, ys = torch.randn(n, 16, generator=g).to(device), torch.randn(n, 1, generator=g).to(device)
 mine = list(range(rank * 8, n, world * 8))  # this rank's batches: every world-th block of 8
 data = [(xs[s:s + 8], ys[s:s + 8]) for s in mine]
 print(f"rank {rank} pid {os.getpid()} has {len(data)} batches", flush=True)
