@@ -183,8 +183,11 @@ def _take_over_px(shell):
         return
     magics = shell.magics_manager.registry["ParallelMagics"]
     import ipyparallel as ipp
-    if ipp._NONINTERACTIVE:  # IPP_NONINTERACTIVE=1 (run.py): outputs in rank order after each cell, no progress bars
+    if ipp._NONINTERACTIVE:  # IPP_NONINTERACTIVE=1 (run.py): no progress bars
         magics.progress_after_seconds = -1
+    # Outputs in rank order once the cell is done (a progress bar while it runs), as run.py's: a rank's error is
+    # then shown once, by the cell's error (its traceback, or one GroupError line), not streamed above it too.
+    magics.stream_output = False
     magics.signal_on_interrupt = None  # ipyparallel would signal through the nanny, which these engines lack
     for kind in ("cell", "line"):
         px = shell.magics_manager.magics[kind]["px"]
@@ -201,6 +204,8 @@ def _px(px, magics, line="", cell=None):
     except KeyboardInterrupt:
         raise _interrupted(magics.last_result) from None
     except Exception as e:
+        if isinstance(e.__context__, KeyboardInterrupt):  # ipyparallel's display of the unfinished result failed
+            raise _interrupted(magics.last_result) from None
         targets = getattr(magics.last_result, "_targets", None)
         said = _explain(e, targets if isinstance(targets, list) else None)
         if said is None:
@@ -244,6 +249,7 @@ def _interrupted(result, grace_s=1):
         _state["busy"] = result
         return GroupError(f"interrupted, but {_ranks(stuck)} did not stop (a rank inside a collective cannot be "
                           "interrupted): no other cell can run there. Run ranks.reset() for a fresh group.")
+    result.display_outputs()  # what the ranks printed before they stopped
     return GroupError(f"interrupted {_ranks(running)}. If a rank left a collective the others were in, the group is "
                       "out of step: should the next cell hang or fail, run ranks.reset().")
 
