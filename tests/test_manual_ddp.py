@@ -69,3 +69,28 @@ def test_05_opens_on_the_naive_version_then_the_core_and_the_drop_in_replaces_wh
                         for c in ast.walk(m))]
     assert not extended, f"ManualDDP extends the core's {extended} through super(): the core has hooks for it"
     assert f"the {size}-line class" in (launch.REPO / "docs" / "manual_ddp.md").read_text()
+
+
+def test_a_dropped_ddpcore_is_freed_and_its_hooks_stay_quiet(monkeypatch):
+    """The core's hooks hold it by a weak reference: a wrapper dropped (the notebooks wrap one module again and
+    again) is freed at once, and the next wrapper's backward sends one all-reduce per bucket, not one more per
+    wrapper that came before. One process, a group of one."""
+    import weakref
+    dist = torch.distributed
+    lesson = load_script("05_manual_ddp_gpt2.py")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        dropped = weakref.ref(lesson.DDPCore(model))
+        assert dropped() is None, "the hooks keep a dropped DDPCore alive"
+        sent, all_reduce = [], dist.all_reduce
+
+        def counted(*args, **kwargs):
+            sent.append(args[0].numel())
+            return all_reduce(*args, **kwargs)
+        monkeypatch.setattr(dist, "all_reduce", counted)
+        again = lesson.DDPCore(model)
+        again(torch.randn(3, 4)).sum().backward()
+        assert sent == [sum(p.numel() for p in model.parameters())] and len(again.buckets) == 1, sent
+    finally:
+        dist.destroy_process_group()
