@@ -268,7 +268,16 @@ def fsdp_step(fwd_units, bwd_units, unit_bytes, grad_unit_bytes, opt, link, rank
         note((kind, unit, start, queue))
         return queue
 
-    for micro in range(accum):
+    micro, seen = 0, None
+    while micro < accum:
+        # Between the first and the last, every micro-batch starts as the one before did (the same backlog in the
+        # queue), so the rest repeat it: skip to the last, which HSDP's all-reduce makes different (a trace is
+        # drawn whole)
+        if trace is None and 0 < micro < accum - 1:
+            if seen is not None and abs((queue - t) - seen[1]) <= 1e-12 * max(t, 1e-9):
+                skip = accum - 1 - micro
+                t, queue, micro = t + skip * (t - seen[0]), queue + skip * (t - seen[0]), accum - 1
+            seen = (t, queue - t)
         gathered = {0: issue(t, "all-gather", 0, ag[0])}
         for i in range(n):
             start = max(t, gathered[i])
@@ -291,6 +300,7 @@ def fsdp_step(fwd_units, bwd_units, unit_bytes, grad_unit_bytes, opt, link, rank
                 note(("all-reduce", i, begin, cross))
             if not prefetch and nxt is not None:
                 gathered[nxt] = issue(t, "all-gather", nxt, ag[nxt])
+        micro += 1
     t = max(t, queue, cross)
     compute = accum * (sum(fwd_units) + sum(bwd_units))
     return t + opt / ranks, t - compute

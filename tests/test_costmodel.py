@@ -335,6 +335,16 @@ def test_accumulation_pays_off_where_the_strategy_communicates_once_a_step():
     assert sent["zero2", 8] == pytest.approx((8 + 1) * ring * P)  # a reduce-scatter a micro-batch, one all-gather
     assert sent["fsdp", 8] == pytest.approx(8 * 3 * ring * P)  # two all-gathers and a reduce-scatter each
     assert sent["hsdp", 8] == pytest.approx(8 * 3 * 7 / 8 * P + 2 * 7 / 8 * P / 8)  # 8 nodes of 8
+    # FSDP's and HSDP's micro-batches between the first and the last repeat: the step skips them, exactly (a trace
+    # simulates every one), so a million micro-batches take no longer than three
+    for strategy in ("fsdp", "hsdp"):
+        for hardware in ("100gbe", "h100-ib"):
+            whole, skipped = (cm.predict(**dict(run, hardware=hardware), strategy=strategy, grad_accum=7, trace=trace)
+                              for trace in ([], None))
+            assert skipped["step_ms"] == pytest.approx(whole["step_ms"], rel=1e-12), (strategy, hardware)
+            assert skipped["exposed_comm_ms"] == pytest.approx(whole["exposed_comm_ms"], rel=1e-9)
+    many = cm.predict(**run, strategy="hsdp", grad_accum=10**6)
+    assert many["global_batch_tokens"] == 64 * 4 * 1024 * 10**6 and 0 < many["scaling_efficiency"] <= 1
     # ZeRO-2 reduce-scatters every micro-batch, all-gathers once a step: each micro-batch adds the same exposed time
     zero2 = [cm.predict(**run, strategy="zero2", grad_accum=k, bucket_mb=25)["exposed_comm_ms"] for k in (1, 2, 8)]
     assert zero2[1] > zero2[0] and zero2[2] - zero2[0] == pytest.approx(7 * (zero2[1] - zero2[0]))
