@@ -83,13 +83,24 @@ def start(n, timeout_s=TIMEOUT_S, device="auto"):
     cluster = ipp.Cluster(n=n, config=config, log_level=40, profile_dir=profile, cluster_file="",
                           shutdown_atexit=False)  # 40: errors only; at exit stop() kills, faster than asking
     _state.update(cluster=cluster, profile=profile, args=(n, timeout_s, device), broken=None, busy=None, pids=[])
+    if not _state.get("atexit"):  # a kernel shut down or restarted in order kills its ranks at once, on its way out
+        _state["atexit"] = atexit.register(stop)
+    try:
+        rc = _start(cluster, n, timeout_s, device)
+    except BaseException:
+        stop()  # half-started: nothing stays behind
+        raise
+    finally:
+        _take_over_px(get_ipython())  # %%px refuses in words while there are no ranks
+    print(f"{n} ranks joined one group; %%px cells run on all of them, %%px --targets 0 on rank 0 alone")
+    return rc
+
+
+def _start(cluster, n, timeout_s, device):
     cluster.start_cluster_sync()
     rc = _state["client"] = cluster.connect_client_sync()
     rc.wait_for_engines(n, timeout=120, interactive=False)
     rc.activate()  # the %%px magics address these engines
-    if not _state.get("atexit"):  # a kernel shut down or restarted in order kills its ranks at once, on its way out
-        _state["atexit"] = atexit.register(stop)
-    _take_over_px(get_ipython())
     with socket.socket() as s:  # a free port for the group's rendezvous (rank 0 listens on it)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -99,7 +110,6 @@ def start(n, timeout_s=TIMEOUT_S, device="auto"):
     said = [j.get(timeout=timeout_s + 60) for j in joins]
     _state["pids"] = [pid for _, pid in said]
     print(said[0][0])
-    print(f"{n} ranks joined one group; %%px cells run on all of them, %%px --targets 0 on rank 0 alone")
     return rc
 
 
@@ -118,7 +128,7 @@ def stop():
         return
     if _state.get("client") is not None:
         _state.pop("client").close()
-    launchers = [cluster.controller, *[e for s in cluster.engines.values() for e in s.launchers.values()]]
+    launchers = [cluster.controller, *[e for s in (cluster.engines or {}).values() for e in s.launchers.values()]]
     for launcher in launchers:
         process = getattr(launcher, "process", None)
         if process is not None:  # each leads a process group of its own (the end of this file)
@@ -179,8 +189,8 @@ def _sources(filename, names):  # runs in rank 0
 # --- a mistake costs one cell ---
 def _take_over_px(shell):
     """%%px and %px through _px: a stuck or broken group becomes one GroupError with what to do."""
-    if shell is None:
-        return
+    if shell is None or "ParallelMagics" not in shell.magics_manager.registry:
+        return  # no IPython, or the client never came up: no %%px to take over
     magics = shell.magics_manager.registry["ParallelMagics"]
     import ipyparallel as ipp
     if ipp._NONINTERACTIVE:  # IPP_NONINTERACTIVE=1 (run.py): no progress bars
@@ -199,13 +209,16 @@ def _take_over_px(shell):
 
 def _px(px, magics, line="", cell=None):
     _ready()
+    before = magics.last_result
     try:
         return px(line, cell) if cell is not None else px(line)
-    except KeyboardInterrupt:
-        raise _interrupted(magics.last_result) from None
-    except Exception as e:
-        if isinstance(e.__context__, KeyboardInterrupt):  # ipyparallel's display of the unfinished result failed
-            raise _interrupted(magics.last_result) from None
+    except BaseException as e:
+        # Stop: a KeyboardInterrupt, or an error of ipyparallel's display of the unfinished result that it caused
+        if isinstance(e, KeyboardInterrupt) or isinstance(e.__context__, KeyboardInterrupt):
+            sent = magics.last_result if magics.last_result is not before else None  # None: stopped before sending
+            raise _interrupted(sent) from None
+        if not isinstance(e, Exception):
+            raise
         targets = getattr(magics.last_result, "_targets", None)
         said = _explain(e, targets if isinstance(targets, list) else None)
         if said is None:

@@ -271,16 +271,16 @@ def test_a_readers_sitting_costs_one_cell_per_mistake_and_a_killed_kernel_leaves
         assert error is not None and "rank 1 disagrees" in said and "GroupError" not in said, said
 
         # Stop while every rank runs Python: they stop, and the group goes on.
-        error, said, took = me.run("%%px\nimport time\ntime.sleep(60)", interrupt_after=1)
+        error, said, took = me.run("%%px\nimport time\ntime.sleep(60)", interrupt_after=3)
         assert error is not None and "interrupted ranks 0, 1" in said and took < 10, said
         error, said, _ = me.run("%%px\nimport torch, torch.distributed as dist\nx = torch.ones(1)\n"
                                 "dist.all_reduce(x)\nprint(f'sum {x.item():g}')")
         assert error is None and said.count("sum 2") == 2, said
 
         # Stop while rank 0 waits in a collective rank 1 never joins: the cell says so, the next refuses at once.
-        error, said, took = me.run("%%px --targets 0\ndist.all_reduce(torch.ones(1))", interrupt_after=0.5)
+        error, said, took = me.run("%%px --targets 0\ndist.all_reduce(torch.ones(1))", interrupt_after=2)
         assert error is not None and error.ename == "GroupError" and "rank 0 did not stop" in said, said
-        assert "ranks.reset()" in said and took < 4, (took, said)
+        assert "ranks.reset()" in said and took < 6, (took, said)  # not after the group's timeout (5 s)
         error, said, took = me.run("%%px\nprint(RANK)")
         assert error is not None and "rank 0 still inside an interrupted cell" in said and took < 1, (took, said)
 
