@@ -74,7 +74,7 @@ def main(args):
     if RANK == 0:
         for dst in range(1, WORLD):
             dist.send(torch.full((4,), float(dst), device=device), dst=dst)
-        log(f"send/recv: sent a tensor to each of ranks 1..{WORLD - 1}")
+        log("send/recv: sent a tensor to every other rank")
     else:
         got = torch.empty(4, device=device)
         dist.recv(got, src=0)
