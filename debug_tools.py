@@ -29,10 +29,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-
+# torch is imported in the functions that use it: `stacks` and `fr` run without it, under any Python with py-spy,
+# and do not pay torch's import (seconds) while you wait on a hung job.
 NOT_SEEN = "not compared: RNG states, the data each rank reads, gradients"
 
 
@@ -47,6 +45,8 @@ def check_replicas(module, optimizer=None, group=None):
     whose shape or dtype differs between ranks, or that some ranks lack, is named, not compared).
     It cannot see what is not a tensor of the model or optimizer: RNG states, the data each rank reads, gradients.
     Cost: one broadcast of the replica's bytes plus two small all-gathers; call it every N steps, on every rank."""
+    import torch
+    import torch.distributed as dist
     group = group or dist.group.WORLD
     world, src = dist.get_world_size(group), dist.get_global_rank(group, 0)
     tensors, facts = _replica_state(module, optimizer)
@@ -69,7 +69,7 @@ def check_replicas(module, optimizer=None, group=None):
             t = tensors[common[i]]
             n = t.numel() * t.element_size()
             if not torch.equal(flat[offset:offset + n], ref[offset:offset + n]):  # only a differing tensor pays more
-                theirs = ref[offset:offset + n].view(t.dtype).view(t.shape).to(t.device)
+                theirs = ref[offset:offset + n].clone().view(t.dtype).view(t.shape).to(t.device)  # clone: aligned
                 worst = (_wide(t) - _wide(theirs)).abs().max().item() if t.numel() else 0.0
                 diffs[i] = worst if worst > 0 else math.nan  # bits differ, values do not (NaN, -0.0): flag it
             offset += n
@@ -94,6 +94,8 @@ def check_replicas(module, optimizer=None, group=None):
 
 def _replica_state(module, optimizer):
     """({name: tensor}, {name: plain value}) of the replica: what check_replicas compares."""
+    import torch
+    import torch.nn as nn
     prefix = ""
     # A DDP-style wrapper (PyTorch's DDP, or one written by hand) holds the replica in .module; its own tensors are
     # its machinery (gradient buckets, per-rank flags), which may rightly differ between ranks.
@@ -103,7 +105,8 @@ def _replica_state(module, optimizer):
     tensors, seen, facts = {}, set(), {}
 
     def add(name, t):
-        if isinstance(t, torch.Tensor) and id(t) not in seen and not t.is_sparse and t.device.type != "meta":
+        if isinstance(t, torch.Tensor) and id(t) not in seen and t.layout == torch.strided and not t.is_quantized \
+                and t.device.type != "meta":  # dense tensors with bytes to compare
             seen.add(id(t))  # a tensor shared by two names (tied weights) is compared once
             tensors[name] = t.detach()
 
@@ -166,6 +169,8 @@ def _fact_problems(facts):
 
 def _comm_device(group):
     """Where the group's collectives take tensors: the CPU for gloo, this rank's GPU for NCCL."""
+    import torch
+    import torch.distributed as dist
     backend = str(dist.get_backend(group))
     if "gloo" not in backend and "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
@@ -173,10 +178,12 @@ def _comm_device(group):
 
 
 def _bytes(t):  # compare bits, not values: bf16, ints and bool alike; NaN equals itself
+    import torch
     return t.contiguous().view(-1).view(torch.uint8)
 
 
 def _wide(t):
+    import torch
     return t.to(torch.complex128) if t.is_complex() else t.double()
 
 
@@ -198,6 +205,7 @@ def group_for_ddp():
     process_group=group_for_ddp()): DETAIL wraps each group it sees created in a checker, and on gloo DDP's
     constructor segfaults on that wrapper (torch 2.14). DDP's own all-reduces go unchecked; your other collectives
     (metrics, evaluation, barriers) keep DETAIL's check. Call it on every rank, after init_process_group."""
+    import torch.distributed as dist
     level = dist.get_debug_level()
     dist.set_debug_level(dist.DebugLevel.OFF)  # new_group wraps the group only when DETAIL is on as it is created
     try:
@@ -218,6 +226,7 @@ def flight_recorder(dump_dir, hang_s=60.0):
     below when the process group is created. Entered before init_process_group, this block also sets them for
     NCCL, whose watchdog then writes its own record (same file names) on a timeout, even from a rank stuck in a
     kernel; entered later, only this block's own records are written."""
+    import torch.distributed as dist
     os.makedirs(dump_dir, exist_ok=True)
     if not dist.is_initialized():
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
@@ -229,7 +238,8 @@ def flight_recorder(dump_dir, hang_s=60.0):
     try:
         yield
     except BaseException as e:
-        _dump(dump_dir, f"on {type(e).__name__}: {str(e).strip()[:120]}")
+        with contextlib.suppress(Exception):  # the error that ended the block is the one to see, not a failed dump
+            _dump(dump_dir, f"on {type(e).__name__}: {str(e).strip()[:120]}")
         raise
     finally:
         done.set()
@@ -240,9 +250,10 @@ def flight_recorder(dump_dir, hang_s=60.0):
 def _watch(dump_dir, hang_s, done):
     dumped = None
     while not done.wait(min(1.0, hang_s / 4)):
-        if not dist.is_initialized():
+        try:
+            pending = [e for e in _trace(stacks=False)["entries"] if not e.get("retired", True)]
+        except Exception:  # no group yet, or one being torn down
             continue
-        pending = [e for e in _trace(stacks=False)["entries"] if not e.get("retired", True)]
         oldest = min(pending, key=lambda e: e["time_created_ns"], default=None)
         if oldest and time.time_ns() - oldest["time_created_ns"] > hang_s * 1e9 and oldest["record_id"] != dumped:
             dumped = oldest["record_id"]
@@ -252,6 +263,8 @@ def _watch(dump_dir, hang_s, done):
 def _trace(stacks=True):
     """This process's Flight Recorder record (PyTorch has no public call for it in 2.14: the private one is here,
     not in your script). NCCL's collectives are in the CUDA recorder, gloo's in the generic one."""
+    import torch
+    import torch.distributed as dist
     c10d = torch._C._distributed_c10d
     nccl = dist.is_initialized() and "nccl" in str(dist.get_backend()) and hasattr(c10d, "_dump_nccl_trace")
     trace = pickle.loads((c10d._dump_nccl_trace if nccl else c10d._dump_fr_trace)(True, stacks, False))
@@ -264,6 +277,7 @@ def _trace(stacks=True):
 
 
 def _dump(dump_dir, why):
+    import torch.distributed as dist
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     path = os.path.join(dump_dir, f"rank_{rank}")
     with open(path + ".part", "wb") as f:  # then renamed: the analyser never reads half a file
