@@ -210,7 +210,7 @@ def scenario_rank0_only(args):
     if RANK == 0:
         with tempfile.TemporaryDirectory() as d:
             rc, out, s, stacks = child(args, "rank0-only", 60, flags=["--fr", d], stacks_when=(r"\] step 1\b", WORLD),
-                                       stop=lambda: len(os.listdir(d)) >= WORLD)  # every rank's record written
+                                       stop=lambda: len(list(Path(d).glob("rank_*[0-9]"))) == WORLD)  # all written
             print0(f"-- the broken run hangs (no error for --timeout-s 60; stopped after {s:.0f} s); where each waits:")
             show(where_lines(stacks))
             fr = tool("fr", d, "--torch")
@@ -243,11 +243,12 @@ def scenario_uneven(args):
         print0(f"   rank {last} waits inside loss.backward(): DDP's reducer all-reduces the gradients there, "
                "and the others, out of data, wait in the barrier after the loop")
         rc, out, s, _ = child(args, "uneven", 10, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
-        crashed = re.search(r"exitcode: -11", out)
-        print0(f"-- TORCH_DISTRIBUTED_DEBUG=DETAIL on it: exit {rc} after {s:.0f} s" + (
-            ", a segfault (exit code -11) in DDP's constructor, nothing printed (torch 2.14, gloo). What works: "
-            "stacks, above, for DDP's own wait; DETAIL for your other collectives with DDP on a group of its own, "
-            "DDP(model, process_group=debug_tools.group_for_ddp()) (mismatch runs so)" if crashed else ""))
+        said = ": no segfault in DDP's constructor here (there is one on gloo in torch 2.14)"
+        if re.search(r"exitcode: -11", out):
+            said = (", a segfault (exit code -11) in DDP's constructor, nothing printed (torch 2.14 on gloo). What "
+                    "works: stacks, above, for DDP's own wait; DETAIL for your other collectives, with DDP(model, "
+                    "process_group=debug_tools.group_for_ddp()) (mismatch runs so)")
+        print0(f"-- TORCH_DISTRIBUTED_DEBUG=DETAIL on it: exit {rc} after {s:.0f} s{said}")
     diagnosed(RANK != 0 or ok, f"stacks naming rank {last} in backward, in DDP's reducer")
     from ddp_dropin import ManualDDP  # beside this file: 05's DDPCore plus DDP's surface, Join included
     for name, wrapper in [("PyTorch's DDP", DDP), ("ManualDDP", ManualDDP)]:
