@@ -48,6 +48,10 @@ DEVICE = torch.device("cpu")  # main() sets it from setup(): the models and batc
 
 
 # --- the programs: a small model trained on every rank's own batches ---
+def log(*msg):  # a line from this rank, tagged (the ranks' lines come in any order)
+    print(f"[rank {RANK}/{WORLD}]", *msg, flush=True)
+
+
 def make_model(seed=0, bn=False):
     torch.manual_seed(seed)  # the same seed on every rank: identical replicas (drift plants a per-rank one)
     layers = [nn.Linear(8, 16), *([nn.BatchNorm1d(16)] if bn else []), nn.ReLU(), nn.Linear(16, 1)]
@@ -385,10 +389,6 @@ def print0(*msg):  # the rank-0 narrative: printed once, not N times
         print(*msg, flush=True)
 
 
-def log(*msg):  # a per-rank line, tagged, in one write so that the ranks' lines never mix
-    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n", end="", flush=True)
-
-
 def at_least(low, kind=int, below=math.inf):  # the argparse type of a numeric flag: low <= value < below
     def parse(text):
         if not low <= kind(text) < below:
@@ -397,25 +397,23 @@ def at_least(low, kind=int, below=math.inf):  # the argparse type of a numeric f
     return parse
 
 
-class Parser(argparse.ArgumentParser):  # the flags every script shares; a bad flag raises UsageError
+class Parser(argparse.ArgumentParser):  # the flags every script shares
     def __init__(self, doc, timeout_s=120):
         super().__init__(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         self.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: a GPU per rank")
         self.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with a GPU per rank, else gloo")
         self.add_argument("--timeout-s", type=at_least(1, float), default=timeout_s, help="how long to wait for a peer")
 
-    def error(self, message):
-        raise UsageError(message)
+    def error(self, message): raise UsageError(message)  # not argparse's usage on every rank: one line (run())
 
 
-def setup(args):  # choose the device, then join the group; returns the device
+def setup(args):  # a GPU for each rank on this node, else the CPU (or shared GPUs: --device cuda); then join
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never asks CUDA
-    per_rank = gpus >= local_world  # a GPU for each rank on this node; fewer: the CPU, or shared with --device cuda
-    backend = args.backend or ("nccl" if per_rank else "gloo")  # gloo can share a GPU between ranks; NCCL cannot
-    if (args.device == "cuda" and gpus == 0) or (backend == "nccl" and not per_rank):
+    backend = args.backend or ("nccl" if gpus >= local_world else "gloo")  # gloo can share a GPU between ranks
+    if (args.device == "cuda" and gpus == 0) or (backend == "nccl" and gpus < local_world):  # NCCL cannot
         raise UsageError(f"--device {args.device} --backend {backend}: {gpus} CUDA GPU(s) for {local_world} ranks")
-    device = torch.device("cuda", local_rank % gpus) if per_rank or args.device == "cuda" else torch.device("cpu")
+    device = torch.device(f"cuda:{local_rank % gpus}" if gpus >= local_world or args.device == "cuda" else "cpu")
     if device.type == "cuda":  # before init, so that NCCL binds this rank to its GPU
         torch.cuda.set_device(device)
     print0(f"device: {device.type}, {backend} (--device {args.device}, {gpus} GPU(s) for {local_world} ranks/node)")
@@ -424,17 +422,12 @@ def setup(args):  # choose the device, then join the group; returns the device
     return device
 
 
-def run(main, parse_args):
+def run(main, parse_args):  # a dead peer or a timeout: the library's own error, after --timeout-s at most
     try:
         main(parse_args())
     except UsageError as e:  # every rank stops alike, exit 2; rank 0 says why
         print0(f"error: {e}")
         os._exit(2)  # at once: tearing down a group that is up can abort in gloo's threads at exit (SIGABRT)
-    except RuntimeError as e:  # a peer died or a collective outlived --timeout-s (gloo's are plain RuntimeErrors)
-        if not (isinstance(e, dist.DistError) or "gloo" in str(e)):
-            raise  # a bug in the script keeps its traceback
-        log(f"error: a peer died or timed out: {str(e).strip().splitlines()[0][:200]}")
-        os._exit(1)  # no teardown: it would wait for the dead peer
     dist.destroy_process_group()  # main() always joins the group first
     time.sleep(0.05)  # gloo's threads drop their last tensors before the interpreter ends (else SIGABRT)
 

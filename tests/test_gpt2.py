@@ -4,6 +4,7 @@ Each launch of 05 imports transformers (several seconds of CPU per rank), so eac
 as few launches as it can: train, crash, restart, ask again, damage a checkpoint, continue.
 """
 
+import re
 import signal
 import sys
 
@@ -158,8 +159,9 @@ def test_inputs_only_the_model_or_data_reveal_are_one_line(tiny_models, tmp_path
 
 
 @pytest.mark.slow
-def test_dead_peer_is_one_clear_line():
-    """A rank SIGKILLed mid-training: the survivor's next all-reduce fails, and it says so in one line, exit 1.
+def test_dead_peer_ends_the_survivor():
+    """A rank SIGKILLed mid-training: the survivor's next all-reduce fails with gloo's own error, and it exits 1
+    within --timeout-s instead of hanging (the setup block adds no handler of its own: the library's error speaks).
 
     Plain processes, no torchrun agent (which would stop the survivor before it notices). --impl naive: the
     tutorial's blocking all-reduce per tensor, the path no other script test trains with."""
@@ -167,10 +169,8 @@ def test_dead_peer_is_one_clear_line():
                                                      "--impl", "naive"], timeout=120)
     assert not survivor.timed_out and not dead.timed_out, survivor.output + dead.output
     assert dead.returncode == -signal.SIGKILL, dead.output
-    errors = [ln for ln in survivor.output.splitlines() if "error:" in ln]
-    assert survivor.returncode == 1 and len(errors) == 1, survivor.output
-    assert errors[0].startswith("[rank 0/2] error: a peer died or timed out") and "Traceback" not in survivor.output, \
-        survivor.output
+    assert survivor.returncode == 1, survivor.output
+    assert re.search(r"RuntimeError: .*(Connection (closed|reset) by peer|Timed out)", survivor.output), survivor.output
 
 
 @pytest.mark.slow
