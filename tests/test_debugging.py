@@ -1,6 +1,7 @@
 """09_debugging.py and debug_tools.py (issues #38, #46).
 
-09: every scenario on 2 and 3 ranks ends within its timeout with its diagnosis and OK, printing the commands it ran.
+09: every scenario on 2 ranks, and all but mismatch on 3 (its two child jobs on 4 processes cost the most and show
+nothing new on 3), ends within its timeout with its diagnosis and OK, printing the commands it ran.
 debug_tools, on a reader's own training loop (tests/workers/buggy_train.py, not written like 09) on 2 and 3 ranks:
 `stacks` finds every rank of a torchrun job from the agent's pid or a rank's, and names the rank that waits in
 PyTorch's DDP backward (the reducer, with --native) and the rank alone in an evaluation's gather; flight_recorder's
@@ -43,13 +44,14 @@ SCENARIOS = {  # scenario -> what its output must show: the diagnosis, as the to
 
 @pytest.mark.slow
 def test_every_scenario_shows_its_symptom_its_diagnosis_and_its_fix_on_2_and_3_ranks():
+    faults = {2: list(SCENARIOS), 3: [f for f in SCENARIOS if f != "mismatch"]}
     with ThreadPoolExecutor(2) as pool:
-        runs = dict(zip([2, 3], pool.map(lambda n: launch.torchrun("09_debugging.py", n, ["--fault", "all"],
+        runs = dict(zip([2, 3], pool.map(lambda n: launch.torchrun("09_debugging.py", n, ["--fault", *faults[n]],
                                                                    timeout=900), [2, 3])))
     for nproc, res in runs.items():
         assert not res.timed_out and res.returncode == 0, f"{nproc} ranks\n{res.output[-6000:]}"
-        for scenario, shown in SCENARIOS.items():
-            for text in shown:
+        for scenario in faults[nproc]:
+            for text in SCENARIOS[scenario]:
                 assert text in res.output, f"{scenario} on {nproc} ranks: no {text!r}\n{res.output[-6000:]}"
         last = nproc - 1
         assert re.search(rf"rank {last}: step \(09_debugging.py:\d+\) in Tensor.backward <- c10d::Reducer", res.output)
