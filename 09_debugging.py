@@ -190,7 +190,7 @@ def scenario_mismatch(args):
         rc, out, s, _ = child(args, "mismatch", 5)
         print0(f"-- the broken run: exit {rc} after {s:.0f} s; what each rank said (a rank that printed a sum got "
                "one made of the wrong values, and exited 0):")
-        show(grep(out, r"^\[rank \d/\d\] (all-reduced|error)", 2 * WORLD))
+        show(grep(out, r"^\[rank \d/\d\] all-reduced|^\[rank\d+\]: \w*Error", 2 * WORLD))
         env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_SHOW_CPP_STACKTRACES": "1"}
         rc, out, s, _ = child(args, "mismatch", 5, env=env)
         calls = re.findall(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=\d+, "
