@@ -2,8 +2,8 @@
 
 What it teaches, in reading order: average_gradients, the tutorial's version, and why it is slow; then DDPCore, what
 torch.nn.parallel.DistributedDataParallel does, bit for bit, in the order a step runs; then a train.py as nanoGPT's
-for any Hugging Face causal LM, with checkpoints that resume bit for bit. ddp_dropin.py builds ManualDDP, a drop-in
-for PyTorch's DDP (hooks, join, unused parameters, ...), on DDPCore. --impl naive or torch trains with those instead.
+for any Hugging Face causal LM (--impl naive or torch: with those instead), with checkpoints that resume bit for bit.
+ddp_dropin.py builds ManualDDP, the drop-in for PyTorch's DDP (hooks, join, unused parameters, ...), on DDPCore.
 
 Run it (the default trains a 0.84M-parameter GPT-2 offline, on Python's own standard library sources):
   CPU:        torchrun --nproc_per_node=4 05_manual_ddp_gpt2.py    (one process: python 05_manual_ddp_gpt2.py)
@@ -49,17 +49,15 @@ def average_gradients(model, world):
             p.grad.div_(world)
 
 
-# Why it is slow: one message per tensor (52 for the default model, 148 for GPT-2 124M), each paying the network's
-# fixed latency, and none starts before backward has ended: communication adds to the step instead of hiding
-# behind backward's compute. DDPCore packs the gradients into a few large buckets and sends each one from inside
-# backward, as soon as it is full, while backward computes the layers before it.
+# Why it is slow: one message per tensor (52 here, 148 for GPT-2 124M), each paying the network's fixed latency, and
+# none before backward has ended: communication adds to the step. DDPCore sends a few large buckets instead, each one
+# from inside backward as soon as it is full, while backward computes the layers before it.
 
 # --- the idea, as PyTorch's DDP does it ---
 class DDPCore(nn.Module):
-    """DistributedDataParallel's idea: after loss.backward(), every .grad holds the mean of all ranks' gradients,
-    and the all-reduces that made it ran while backward was still computing the rest. Every parameter that requires
-    a gradient must get one in every synced backward, on ranks that run the same number of steps (ManualDDP, in
-    ddp_dropin.py, lifts both, with the rest of DDP's arguments)."""
+    """DistributedDataParallel's idea: after loss.backward(), every .grad holds the mean of all ranks' gradients, and
+    the all-reduces that made it ran while backward was still computing the rest. Every parameter that requires a
+    gradient must get one in each synced backward, on ranks that run as many steps (ddp_dropin.ManualDDP: any)."""
 
     def __init__(self, module, process_group=None, bucket_cap_mb=None, broadcast_buffers=True):
         super().__init__()
@@ -108,8 +106,7 @@ class DDPCore(nn.Module):
         return output
 
     def _grads_into_buckets(self):
-        """A missing .grad (None after optimizer.zero_grad()) becomes its zeroed bucket slot. Autograd then adds the
-        gradient into .grad in place, that is into the bucket: nothing to copy in, nothing to copy back out."""
+        """A missing .grad becomes its zeroed bucket slot: autograd then adds the gradient into the bucket itself."""
         for b in self.buckets:
             missing = [slot for slot, p in enumerate(b.params) if p.grad is None]
             if len(missing) == len(b.params):
@@ -165,8 +162,7 @@ class DDPCore(nn.Module):
             return
         # The observed order, each parameter once, then any that never became ready, in parameter order. Every
         # rank takes the group's first rank's order: the buckets must be the same everywhere.
-        order = list(dict.fromkeys(self._order + list(range(len(self.params)))))
-        order = torch.tensor(order, dtype=torch.int64, device=self.device)
+        order = torch.tensor(list(dict.fromkeys(self._order + list(range(len(self.params))))), device=self.device)
         dist.broadcast(order, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
         self._set_buckets(bucket_layout(self.params, order.tolist(), self._caps))
         self._rebuilt = True
@@ -193,8 +189,7 @@ class DDPCore(nn.Module):
 
 
 class Bucket:
-    """The gradients of several parameters in one flat tensor. Each parameter's .grad is a view of its slot, so
-    backward writes straight into the bucket and the whole bucket leaves in one all-reduce: nothing is copied."""
+    """Several parameters' gradients in one flat tensor, each .grad a view of its slot: one all-reduce, no copies."""
 
     def __init__(self, params, indices):
         self.params, self.indices = params, indices  # indices: where these parameters sit in DDPCore.params
@@ -202,9 +197,7 @@ class Bucket:
         offsets = itertools.accumulate([p.numel() for p in params], initial=0)
         self.views = [self.flat[o:o + p.numel()].view_as(p) for o, p in zip(offsets, params)]
         self.pending = len(params)  # gradients this backward has still to produce
-        # The last all-reduce, kept until the next one: were gloo's thread to drop the last reference to it while
-        # the interpreter exits, the process would abort.
-        self.work = None
+        self.work = None  # the last all-reduce, kept till the next: freed by gloo's thread at exit, it aborts
 
 
 def bucket_layout(params, order, caps):
@@ -224,8 +217,7 @@ def bucket_layout(params, order, caps):
 
 
 def broadcast_coalesced(tensors, src, group):
-    """Broadcast from the group's rank src in few messages: the tensors packed as buckets are, up to 250 MiB a
-    message (as DDP: a large model needs no second full copy of itself)."""
+    """Broadcast from the group's rank src, packed as buckets are: few messages of at most 250 MiB (as DDP)."""
     with torch.no_grad():
         for indices in bucket_layout(tensors, range(len(tensors)), [250 << 20]):
             batch = [tensors[i].detach() for i in indices]
@@ -258,7 +250,6 @@ def load_tokens(args, tok):
         texts = [pathlib.Path(f).read_text(encoding="utf-8") for f in files]
     else:  # every rank asks at once: the datasets cache takes one download, under a file lock
         import datasets
-        datasets.disable_progress_bars()
         texts = datasets.load_dataset(args.dataset, args.dataset_config, split=args.split)[args.text_column]
     texts = [t for t in texts if t]
     if not texts:  # else an IndexError deep inside the tokenizer
@@ -268,8 +259,7 @@ def load_tokens(args, tok):
 
 
 def batches_from(data, per_epoch, args, micro):
-    """This rank's micro-batches forever, from micro-batch `micro` on (a resumed run continues at exactly the batch
-    it stopped at): DistributedSampler (04_sampler.py writes it by hand), one permutation shared out to the ranks."""
+    """This rank's micro-batches forever, from micro-batch `micro` on (04_sampler.py writes DistributedSampler)."""
     sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=args.seed, drop_last=True)
     while True:
         epoch, offset = divmod(micro, per_epoch)
@@ -285,7 +275,6 @@ def build_model(args):
     """(tokenizer, model) in float32 (the master weights): --model (hub or directory), else a small GPT-2."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, logging
     logging.set_verbosity_error()  # long documents trigger a harmless length warning
-    logging.disable_progress_bar()
     if args.model:
         tok, model = AutoTokenizer.from_pretrained(args.model), AutoModelForCausalLM.from_pretrained(args.model)
     else:
@@ -296,13 +285,10 @@ def build_model(args):
             vocab_size=len(tok), n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_pytorch_tanh",
             bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id))
-    if args.seq_len > positions(model):  # else an IndexError deep in the model at the first forward
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions(model)} positions")
+    positions = getattr(model.config, "max_position_embeddings", args.seq_len)  # GPT-2's n_positions too
+    if args.seq_len > positions:  # else an IndexError deep in the model at the first forward
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions")
     return tok, model.float()
-
-
-def positions(model):
-    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", 1024)
 
 
 def compile_blocks(model, backend="inductor"):
@@ -311,16 +297,6 @@ def compile_blocks(model, backend="inductor"):
     for block in blocks:
         block.compile(backend=backend)
     return len(blocks)
-
-
-def sample(args, tok, model, device):
-    """Rank 0 writes a sample, kept within the model's context (prompt + new tokens <= its positions)."""
-    torch.manual_seed(args.seed)
-    prompt = tok(args.prompt).input_ids[-(positions(model) - 1):] or [tok.eos_token_id]
-    out = model.eval().generate(torch.tensor([prompt], device=device), do_sample=True, top_k=20, temperature=0.8,
-                                max_new_tokens=min(args.sample_tokens, positions(model) - len(prompt)),
-                                pad_token_id=tok.eos_token_id)
-    print0("sample:\n" + tok.decode(out[0], skip_special_tokens=True) + "\n")
 
 
 # --- training ---
@@ -337,10 +313,9 @@ def wrap(model, impl, args, device):
 
 def lr_factor(step, args):
     """Linear warm-up, then cosine decay to LR_FLOOR of --lr, over --max-steps."""
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
-    return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    cosine = LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
+    return (step + 1) / args.warmup_steps if step < args.warmup_steps else cosine
 
 
 def train(args, device, state):
@@ -351,8 +326,7 @@ def train(args, device, state):
     if per_epoch < 1:
         raise UsageError(f"the dataset has {len(ids):,} tokens: too few for {WORLD} ranks x --batch-size "
                          f"{args.batch_size} x --seq-len {args.seq_len}")
-    # Windows of seq_len + 1 tokens, each starting where the last one's inputs end: inputs, and targets one later.
-    data = ids.unfold(0, args.seq_len + 1, args.seq_len)
+    data = ids.unfold(0, args.seq_len + 1, args.seq_len)  # seq_len inputs and the next token: targets one later
     print0(f"data: {len(ids):,} tokens, {len(data):,} blocks of {args.seq_len}, {per_epoch} micro-batches "
            f"per rank per epoch | model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     model.to(device)
@@ -371,7 +345,6 @@ def train(args, device, state):
         sched.load_state_dict(state["scheduler"])
         print0(f"resumed from {os.path.join(args.out, f'checkpoint-{start}')} at step {start}")
     batches = batches_from(data, per_epoch, args, start * args.grad_accum)
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * WORLD
     if args.profile:  # steps 3-5, a trace per rank, for benchmarks/overlap.py to read
         os.makedirs(args.profile, exist_ok=True)
         profiler = torch.profiler.profile(
@@ -380,6 +353,7 @@ def train(args, device, state):
         profiler.start()
         opt.register_step_post_hook(lambda *_: profiler.step())  # a profiler step ends with each optimizer step
     losses, first_loss, last_loss, t_log = [], None, None, time.perf_counter()
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * WORLD
     model.train()
     for step in range(start, args.max_steps):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -416,9 +390,8 @@ def train(args, device, state):
                                                      "scheduler": sched.state_dict(), "step": step + 1})
             print0(f"saved {args.out}/checkpoint-{step + 1}")
         if (step + 1) % args.log_every == 0 or step in (start, args.max_steps - 1):
-            # Loss of all ranks, not rank 0's alone: SUM of per-rank means, divided by N.
             mean = torch.stack(losses).mean()
-            dist.all_reduce(mean)
+            dist.all_reduce(mean)  # every rank's loss, not rank 0's alone: the SUM of the means, / N below
             last_loss = mean.item() / WORLD
             if not math.isfinite(last_loss):  # every rank holds the same mean: all stop here, together
                 raise UsageError(f"training diverged: loss {last_loss} at step {step + 1} (try a smaller --lr)")
@@ -437,8 +410,13 @@ def train(args, device, state):
         model.save_pretrained(args.out)
         tok.save_pretrained(args.out)
         print0(f"saved model and tokenizer to {args.out} (AutoModelForCausalLM.from_pretrained loads it)")
-    if RANK == 0 and args.sample_tokens > 0:
-        sample(args, tok, model, device)
+    if RANK == 0 and args.sample_tokens > 0:  # a sample: a new document, within the model's context
+        torch.manual_seed(args.seed)
+        context = getattr(model.config, "max_position_embeddings", 1024)
+        out = model.eval().generate(torch.tensor([[tok.eos_token_id]], device=device), do_sample=True, top_k=20,
+                                    temperature=0.8, max_new_tokens=min(args.sample_tokens, context - 1),
+                                    pad_token_id=tok.eos_token_id)
+        print0("sample:\n" + tok.decode(out[0], skip_special_tokens=True) + "\n")
     if differs.item():
         raise RuntimeError(f"replicas diverged: {differs.item():.0f} rank(s)' weights differ from rank 0's")
     trend = "fell" if last_loss < first_loss else "did NOT fall"
@@ -459,8 +437,7 @@ def main(args):
         claim(args.out, os.path.basename(__file__))
         state = load_newest(args.out)
         if state and state["step"] >= args.max_steps:
-            print0(f"OK nothing to train: {args.out} holds step {state['step']} of --max-steps {args.max_steps} "
-                   "(a larger --max-steps continues it)")
+            print0(f"OK nothing to train: {args.out} holds step {state['step']} of --max-steps {args.max_steps}")
             return
     train(args, device, state)
 
@@ -529,7 +506,7 @@ def save_checkpoint(out, step, state, keep=2):
 def parse_args(argv=None):
     p = Parser(__doc__, timeout_s=300)
     count, nonnegative = at_least(1), at_least(0.0, float)
-    g = p.add_argument_group("model and data")
+    g = p.add_argument_group("model, data, training, output")
     g.add_argument("--model", default=None, help="HF causal LM name or local dir; default: a small GPT-2 from scratch")
     g.add_argument("--n-layer", type=count, default=4, help="default model only")
     g.add_argument("--n-embd", type=count, default=128, help="default model only")
@@ -539,7 +516,6 @@ def parse_args(argv=None):
     g.add_argument("--split", default="train", help="HF dataset split")
     g.add_argument("--text-column", default="text", help="column holding the text")
     g.add_argument("--stdlib-files", type=count, default=40, help="how many stdlib .py files --dataset stdlib reads")
-    g = p.add_argument_group("training, checkpoints, output")
     g.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual", help="DDPCore, naive, PyTorch's")
     g.add_argument("--bucket-cap-mb", type=at_least(1e-6, float), default=None, help="default: DDP's (25, first 1)")
     g.add_argument("--batch-size", type=count, default=4, help="sequences per rank per micro-batch")
@@ -557,7 +533,6 @@ def parse_args(argv=None):
     g.add_argument("--ckpt-every", type=count, default=50, help="steps between checkpoints")
     g.add_argument("--log-every", type=count, default=25, help="steps between loss lines")
     g.add_argument("--profile", default=None, help="write a torch.profiler trace of steps 3-5 per rank here")
-    g.add_argument("--prompt", default="def ", help="start of the generated sample")
     g.add_argument("--sample-tokens", type=at_least(0), default=120, help="tokens generated at the end (0: none)")
     g.add_argument("--crash-at-step", type=int, default=-1, help="SIGKILL the last rank here, on the first attempt")
     args = p.parse_args(argv)
