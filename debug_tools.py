@@ -7,6 +7,7 @@ One file, no other file of this repository needed: copy it beside your script, o
     check_replicas(model, optimizer)   # drift: raises on every rank, naming the tensor, the ranks and by how much
     with flight_recorder("fr"):        # hangs: each rank's record of its collectives, written to fr/rank_<R>
         train(...)                     #   when the block ends, on an error, and when a collective waits too long
+    DDP(model, process_group=group_for_ddp())   # DDP under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo (else a segfault)
 
   From a shell, while the job hangs (PID: torchrun's agent, or any rank):
     python debug_tools.py stacks PID            every rank's Python stack, labelled by rank, and where each waits
