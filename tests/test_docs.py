@@ -1,5 +1,6 @@
-"""The README and docs/ as a reader meets them: the front door stays short, every link lands, and every command
-shown runs as written (the script exists and its own parser takes the flags), checked without launching anything."""
+"""The README, WORKSHOP.md and docs/ as a reader meets them: the front door stays short, every link lands, and
+every command shown runs as written (the script exists and its own parser takes the flags), checked without
+launching anything."""
 
 import os
 import re
@@ -15,7 +16,7 @@ REPO = launch.REPO
 README_MAX_LINES = 250
 PAGES = [REPO / "README.md", REPO / "WORKSHOP.md", REPO / "exercises" / "README.md", REPO / "benchmarks" / "README.md",
          *sorted((REPO / "docs").glob("*.md"))]
-COMMAND_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+COMMAND_PAGES = [REPO / "README.md", REPO / "WORKSHOP.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(```+|~~~+)(.*)$")
 
 
