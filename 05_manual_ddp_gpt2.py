@@ -250,6 +250,7 @@ def load_tokens(args, tok):
         texts = [pathlib.Path(f).read_text(encoding="utf-8") for f in files]
     else:  # every rank asks at once: the datasets cache takes one download, under a file lock
         import datasets
+        datasets.disable_progress_bars()
         texts = datasets.load_dataset(args.dataset, args.dataset_config, split=args.split)[args.text_column]
     texts = [t for t in texts if t]
     if not texts:  # else an IndexError deep inside the tokenizer
@@ -275,6 +276,7 @@ def build_model(args):
     """(tokenizer, model) in float32 (the master weights): --model (hub or directory), else a small GPT-2."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, logging
     logging.set_verbosity_error()  # long documents trigger a harmless length warning
+    logging.disable_progress_bar()  # no bar from each rank
     if args.model:
         tok, model = AutoTokenizer.from_pretrained(args.model), AutoModelForCausalLM.from_pretrained(args.model)
     else:
@@ -332,15 +334,13 @@ def train(args, device, state):
     model.to(device)
     if args.compile:
         print0(f"compiling {compile_blocks(model)} blocks one by one (the first steps wait for it)")
-    if state:
-        model.load_state_dict(state["model"])
     ddp = wrap(model, args.impl, args, device)
-    # The fused kernel on a GPU; the CPU keeps the per-tensor loop, which the tests check bit for bit.
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=ADAMW_BETAS, weight_decay=args.weight_decay,
-                            fused=device.type == "cuda")
+                            fused=device.type == "cuda")  # on the CPU, the per-tensor loop the tests check
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
     start = state["step"] if state else 0
-    if state:
+    if state:  # every rank loads the same checkpoint: the replicas stay identical
+        model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         print0(f"resumed from {os.path.join(args.out, f'checkpoint-{start}')} at step {start}")
