@@ -52,8 +52,8 @@ def setup(args):
     return device
 
 
-def log(*msg):  # a line from this rank, tagged: the ranks print at once, so their lines come in any order
-    print(f"[rank {RANK}/{WORLD}]", *msg, flush=True)
+def log(*msg):  # a line from this rank, tagged, in one write: the ranks print at once, their lines in any order
+    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n", end="", flush=True)
 
 
 def who_am_i(device):

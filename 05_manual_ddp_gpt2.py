@@ -358,7 +358,7 @@ def train(args, device, state):
     for step in range(start, args.max_steps):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if step == args.crash_at_step and RANK == WORLD - 1 and first_attempt:
-            print(f"[rank {RANK}/{WORLD}] --crash-at-step {step}: SIGKILL to myself (first attempt only)", flush=True)
+            print(f"[rank {RANK}/{WORLD}] --crash-at-step {step}: SIGKILL to myself\n", end="", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         # Dropout masks differ across ranks as the data does, and a resumed run replays them: no RNG state saved.
         torch.manual_seed(args.seed + SEED_STRIDE * step + RANK)

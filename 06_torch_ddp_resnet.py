@@ -90,7 +90,7 @@ class Trainer:
             # --crash-at-step: a crash for torchrun --max-restarts to restart from (the scheduler counts the steps)
             if self.sched.last_epoch == self.args.crash_at_step and RANK == WORLD - 1 and first_attempt:
                 print(f"[rank {RANK}/{WORLD}] --crash-at-step {self.args.crash_at_step}: SIGKILL to myself "
-                      "(first attempt only)", flush=True)
+                      "(first attempt only)\n", end="", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             x, y = self.batch(x, y)
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
@@ -263,7 +263,7 @@ def main(args):
                          f"{args.batch_size}")
     print0(f"data: {args.dataset}, {len(train_set):,} train / {len(val_set):,} val samples")
     print(f"[rank {RANK}/{WORLD}] device {device}: {len(train_sampler)} training samples per epoch, "
-          f"{len(train_data)} steps of {args.batch_size}", flush=True)
+          f"{len(train_data)} steps of {args.batch_size}\n", end="", flush=True)
 
     torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP would broadcast rank 0's anyway)
     trainer = Trainer(build_model(), train_data, val_data, args, device)

@@ -490,7 +490,7 @@ def train(impl, args, device, text, zero, ckpt=None):
             if impl == "ours" and step + 1 == args.crash_at_step and first_attempt:
                 dist.barrier()  # after rank 0 has written this step's checkpoint, if there is one
                 if RANK == WORLD - 1:
-                    print(f"[rank {RANK}/{WORLD}] --crash-at-step {step + 1}: SIGKILL to myself", flush=True)
+                    print(f"[rank {RANK}/{WORLD}] --crash-at-step {step + 1}: SIGKILL to myself\n", end="", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
     if prof:
         prof.export_chrome_trace(os.path.join(args.profile, f"trace_rank{RANK}.json"))

@@ -48,8 +48,8 @@ DEVICE = torch.device("cpu")  # main() sets it from setup(): the models and batc
 
 
 # --- the programs: a small model trained on every rank's own batches ---
-def log(*msg):  # a line from this rank, tagged (the ranks' lines come in any order)
-    print(f"[rank {RANK}/{WORLD}]", *msg, flush=True)
+def log(*msg):  # a line from this rank, tagged, in one write so that the ranks' lines never mix
+    print(f"[rank {RANK}/{WORLD}] " + " ".join(map(str, msg)) + "\n", end="", flush=True)
 
 
 def make_model(seed=0, bn=False):
