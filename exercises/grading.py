@@ -1182,13 +1182,13 @@ def _brief(indices, shown=12):
 
 # --- rung 8: find the bug (09_debugging.py) ---
 def check_find_the_bug(train):
-    """Rung 8: after train(model, batches) every rank holds the same model, bit for bit (09's check_replicas), and
+    """Rung 8: after train(model, batches) every rank holds the same model, bit for bit (check_replicas), and
     its parameters are those of SGD on the rank-averaged gradient, clipped on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("debugging", os.path.join(repo, "09_debugging.py"))
-    debugging = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(debugging)
+    spec = importlib.util.spec_from_file_location("debug_tools", os.path.join(repo, "debug_tools.py"))
+    debug_tools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(debug_tools)
     torch.manual_seed(0)  # the same model on every rank, as the exercise's own run builds it
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
     want = _bug_reference(model, world, lr=0.1, max_norm=0.5)
@@ -1197,7 +1197,7 @@ def check_find_the_bug(train):
     with watching("train(model, batches)"):
         train(model, batches)
     try:
-        debugging.check_replicas(model)
+        debug_tools.check_replicas(model)
         problem = None
     except RuntimeError as e:
         problem = _problem(f"after train(), {e}",
