@@ -19,6 +19,7 @@ The lesson that uses them, with a scenario for each: 09_debugging.py; the troubl
 
 import argparse
 import contextlib
+import fnmatch
 import math
 import os
 import pickle
@@ -36,27 +37,53 @@ NOT_SEEN = "not compared: RNG states, the data each rank reads, gradients"
 
 
 # --- drift: are the replicas the same? ---
-def check_replicas(module, optimizer=None, group=None):
+KINDS = ("optimizer state", "settings", "parameters", "buffers", "tensor attributes")  # listed in this order: a
+# cause (one rank's optimizer state or lr) before what it makes drift a step later (the parameters)
+
+
+class ReplicasDiffer(RuntimeError):
+    """check_replicas' error, the same on every rank; .differences: every (kind, text), in the order listed."""
+
+    def __init__(self, message, differences):
+        super().__init__(message)
+        self.differences = differences
+
+
+def check_replicas(module, optimizer=None, group=None, ignore=()):
     """Compare, across the ranks of `group`, everything a replica holds: every parameter, buffer and plain tensor
     attribute (a tensor kept in `self.x`, or in a list or dict there) of every submodule, which submodules are in
     eval mode, and, given `optimizer`, its state (momentum, Adam's moments and step) and its hyperparameters (lr).
     Works on a plain module and on a DDP-style wrapper (its `.module` is compared), tensors on any device, any dtype,
-    bit for bit. Returns a one-line summary when all agree; otherwise raises RuntimeError on every rank alike,
-    naming the first tensor that differs, the ranks that differ from rank 0 and the largest difference (a tensor
-    whose shape or dtype differs between ranks, or that some ranks lack, is named, not compared).
+    bit for bit. Returns a one-line summary when all agree; otherwise raises ReplicasDiffer (a RuntimeError) on
+    every rank alike, listing every difference by kind, the optimizer's state and settings first (the cause comes
+    before the parameters it made drift): the tensor, the ranks that differ from rank 0, the largest difference (a
+    tensor whose shape or dtype differs between ranks, or that some ranks lack, is named, not compared).
+    Buffers that a DDP-style wrapper built with broadcast_buffers=True (the default) overwrites with rank 0's at its
+    next forward (BatchNorm's statistics after a step) are counted in the summary, not raised on. `ignore`: names or
+    patterns (fnmatch: '*.running_var') of tensors and settings not to compare.
     It cannot see what is not a tensor of the model or optimizer: RNG states, the data each rank reads, gradients.
-    Cost: one broadcast of the replica's bytes plus two small all-gathers; call it every N steps, on every rank."""
+    Cost: one broadcast of the replica's bytes plus two small all-gathers. Call it on every rank, once right after
+    setup or a resume (where a rank-only load shows as optimizer state, before any parameter drifts), then every N
+    steps."""
     import torch
     import torch.distributed as dist
     group = group or dist.group.WORLD
     world, src = dist.get_world_size(group), dist.get_global_rank(group, 0)
-    tensors, facts = _replica_state(module, optimizer)
+    tensors, facts, kinds, sync = _replica_state(module, optimizer)
+    ignored = [n for n in [*tensors, *facts] if any(fnmatch.fnmatchcase(n, p) for p in ignore)]
+    for n in ignored:
+        tensors.pop(n, None)
+        facts.pop(n, None)
     # First what each rank holds (names, dtypes, shapes, eval modes, lr): tensors of different layouts cannot be
     # compared byte for byte, and a broadcast of one length paired with another's would fail or hang.
-    mine = {"layout": {n: (str(t.dtype)[6:], tuple(t.shape)) for n, t in tensors.items()}, "facts": facts}
+    mine = {"layout": {n: (str(t.dtype)[6:], tuple(t.shape)) for n, t in tensors.items()}, "facts": facts,
+            "kinds": kinds, "sync": sync}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine, group=group)
-    problems = _layout_problems([x["layout"] for x in everyone]) + _fact_problems([x["facts"] for x in everyone])
+    kinds = {n: k for x in reversed(everyone) for n, k in x["kinds"].items()}  # rank 0's where ranks disagree
+    broadcast, synced = everyone[0]["sync"]
+    problems = [(kinds[n], text) for n, text in _layout_problems([x["layout"] for x in everyone])
+                + _fact_problems([x["facts"] for x in everyone])]
     common = [n for n in everyone[0]["layout"] if all(x["layout"].get(n) == everyone[0]["layout"][n] for x in everyone)]
     # Then the bytes: rank 0's broadcast to all, every rank compares its own; one flat buffer per 64 MiB.
     device = _comm_device(group)
@@ -78,93 +105,136 @@ def check_replicas(module, optimizer=None, group=None):
     table = [torch.empty_like(diffs) for _ in range(world)]
     dist.all_gather(table, diffs, group=group)
     table = torch.stack(table).cpu()
+    overwritten = []  # buffers the wrapper's next forward replaces with rank 0's: no drift
     for i in table.amax(0).nonzero().flatten().tolist():
         t, ranks = tensors[common[i]], table[:, i].nonzero().flatten().tolist()
         worst = table[:, i].nan_to_num(0).max().item()
         by = f"by up to {worst:.3g}" if worst > 0 else "in its bits only (NaN or -0.0)"
-        if re.search(r"running_(mean|var)$", common[i]):  # the one difference PyTorch's DDP leaves between steps
-            by += " (BatchNorm's statistics: DDP copies rank 0's as each forward starts; SyncBatchNorm averages them)"
-        problems.append(f"{common[i]} ({str(t.dtype)[6:]}, {tuple(t.shape)}) on rank(s) {ranks} differs from rank "
-                        f"0's {by}")
+        if common[i] in synced:
+            overwritten.append(common[i])
+        else:
+            problems.append((kinds[common[i]], f"{common[i]} ({str(t.dtype)[6:]}, {tuple(t.shape)}) on rank(s) "
+                             f"{ranks} differs from rank 0's {by}"))
+    notes = []
+    if overwritten:
+        notes.append(f"{len(overwritten)} buffer(s) differ by design: DDP (broadcast_buffers=True) overwrites them "
+                     f"with rank 0's as its next forward starts (BatchNorm's statistics after a step): "
+                     f"{', '.join(overwritten[:4])}{', ...' if len(overwritten) > 4 else ''}")
+    if ignored:
+        notes.append(f"ignored: {', '.join(ignored[:4])}{', ...' if len(ignored) > 4 else ''}")
+    if any(k == "buffers" and re.search(r"running_(mean|var)$", text.split(" (")[0]) for k, text in problems):
+        copier = "nothing copies them" if broadcast is None else \
+            "DDP with broadcast_buffers=False (or forward_sync_buffers=False) does not copy them"
+        notes.append(f"BatchNorm's running statistics are each rank's own: {copier}. Average them over the ranks "
+                     "(all_reduce, then divide) before you evaluate or save, or broadcast rank 0's; nn.SyncBatchNorm "
+                     "averages them in every forward, on GPU modules only (on the CPU, DDP raises 'SyncBatchNorm "
+                     "layers only work with GPU modules')")
     if problems:
-        more = f" ({len(problems)} differences in all; then: {'; '.join(problems[1:4])})" if len(problems) > 1 else ""
-        raise RuntimeError(f"replicas differ: {problems[0]}{more}")
+        raise ReplicasDiffer(_differences_message(problems, notes), sorted(problems, key=lambda p: KINDS.index(p[0])))
     size = sum(t.numel() * t.element_size() for t in tensors.values())
-    return f"replicas identical on {world} ranks: {len(tensors)} tensors, {size / 2**20:.1f} MiB ({NOT_SEEN})"
+    return (f"replicas identical on {world} ranks: {len(tensors)} tensors, {size / 2**20:.1f} MiB "
+            f"({NOT_SEEN})" + "".join(f"; {note}" for note in notes))
+
+
+def _differences_message(problems, notes, shown=3):
+    """'replicas differ: X' for one difference; else a count by kind, then up to `shown` of each kind, causes first."""
+    problems = sorted(problems, key=lambda p: KINDS.index(p[0]))  # stable: within a kind, the order found
+    if len(problems) == 1:
+        lines = [f"replicas differ: {problems[0][1]}"]
+    else:
+        counts = {k: sum(kind == k for kind, _ in problems) for k in KINDS}
+        causes = counts["optimizer state"] + counts["settings"]
+        lines = [f"replicas differ in {len(problems)} places (" + ", ".join(f"{k} {n}" for k, n in counts.items() if n)
+                 + ")" + (", the optimizer's state and settings first: they make the parameters drift a step later"
+                          if 0 < causes < len(problems) else "")]
+        for k, n in counts.items():
+            lines += [f"  {text}" for kind, text in problems if kind == k][:shown]
+            if n > shown:
+                lines.append(f"  ... {n - shown} more {k} (the exception's .differences lists all)")
+    return "\n".join(lines + [f"  ({note})" for note in notes])
 
 
 def _replica_state(module, optimizer):
-    """({name: tensor}, {name: plain value}) of the replica: what check_replicas compares."""
+    """What check_replicas compares: ({name: tensor}, {name: plain value}, {name: kind}, (broadcast_buffers: True,
+    False or None without a wrapper, {names of the buffers the wrapper's forward overwrites}))."""
     import torch
     import torch.nn as nn
-    prefix = ""
+    prefix, broadcast, synced = "", None, set()
     # A DDP-style wrapper (PyTorch's DDP, or one written by hand) holds the replica in .module; its own tensors are
     # its machinery (gradient buckets, per-rank flags), which may rightly differ between ranks.
     while isinstance(getattr(module, "module", None), nn.Module) and \
             {id(p) for p in module.parameters()} == {id(p) for p in module.module.parameters()}:
+        if broadcast is None and hasattr(module, "broadcast_buffers"):  # PyTorch's DDP (a property since 2.13)
+            broadcast = bool(module.broadcast_buffers)
+            skip = getattr(module, "parameters_to_ignore", set())  # _ddp_params_and_buffers_to_ignore
+            synced = {prefix + "module." + n for n, _ in module.module.named_buffers() if n not in skip} \
+                if broadcast else set()
         module, prefix = module.module, prefix + "module."
-    tensors, seen, facts = {}, set(), {}
+    tensors, seen, facts, kinds, evals = {}, set(), {}, {}, []
 
-    def add(name, t):
+    def add(name, t, kind):
         if isinstance(t, torch.Tensor) and id(t) not in seen and t.layout == torch.strided and not t.is_quantized \
                 and t.device.type != "meta":  # dense tensors with bytes to compare
             seen.add(id(t))  # a tensor shared by two names (tied weights) is compared once
-            tensors[name] = t.detach()
+            tensors[name], kinds[name] = t.detach(), kind
 
     for mname, m in module.named_modules():
         at = prefix + mname + "." if mname else prefix
         for n, p in m.named_parameters(recurse=False):
-            add(at + n, p)
+            add(at + n, p, "parameters")
         for n, b in m.named_buffers(recurse=False):
-            add(at + n, b)
+            add(at + n, b, "buffers")
         for n, v in vars(m).items():  # plain attributes: neither DDP's broadcast nor load_state_dict touches them
             if isinstance(v, (list, tuple)):
                 for i, x in enumerate(v):
-                    add(f"{at}{n}[{i}]", x)
+                    add(f"{at}{n}[{i}]", x, "tensor attributes")
             elif isinstance(v, dict) and not n.startswith("_"):
                 for k, x in v.items():
-                    add(f"{at}{n}[{k!r}]", x)
+                    add(f"{at}{n}[{k!r}]", x, "tensor attributes")
             else:
-                add(at + n, v)
-        if not m.training:
-            facts[f"{repr(mname) if mname else 'the model'} is in eval mode"] = True
+                add(at + n, v, "tensor attributes")
+        if not m.training and not any(mname.startswith(e) for e in evals):  # the outermost module in eval mode only
+            evals.append(mname + "." if mname else "")
+            name = f"{repr(mname) if mname else 'the model'} is in eval mode"
+            facts[name], kinds[name] = True, "settings"
     if optimizer is not None:
         names = {id(p): n for n, p in module.named_parameters()}
         for g, params in enumerate(optimizer.param_groups):
             for k, v in params.items():
                 if k != "params" and (v is None or isinstance(v, (bool, int, float, str, tuple))):
                     facts[f"optimizer param_groups[{g}][{k!r}]"] = v
+                    kinds[f"optimizer param_groups[{g}][{k!r}]"] = "settings"
             for p in params["params"]:
                 for k, v in optimizer.state.get(p, {}).items():
                     name = f"optimizer state[{prefix}{names.get(id(p), f'group {g} param')}][{k!r}]"
                     if isinstance(v, torch.Tensor):
-                        add(name, v)
+                        add(name, v, "optimizer state")
                     else:
-                        facts[name] = v
-    return tensors, facts
+                        facts[name], kinds[name] = v, "optimizer state"
+    return tensors, facts, kinds, (broadcast, synced)
 
 
-def _layout_problems(layouts):
+def _layout_problems(layouts):  # [(name, text)]
     problems = []
     for name in dict.fromkeys(n for layout in layouts for n in layout):  # every name, in first-seen order
         have = {r: layout.get(name) for r, layout in enumerate(layouts)}
         if None in have.values():
-            problems.append(f"{name} exists on rank(s) {[r for r, x in have.items() if x]} only")
+            problems.append((name, f"{name} exists on rank(s) {[r for r, x in have.items() if x]} only"))
         elif len(set(have.values())) > 1:
-            problems.append(f"{name} has a different dtype or shape: " +
-                            ", ".join(f"rank {r} {d} {s}" for r, (d, s) in have.items()))
+            problems.append((name, f"{name} has a different dtype or shape: " +
+                             ", ".join(f"rank {r} {d} {s}" for r, (d, s) in have.items())))
     return problems
 
 
-def _fact_problems(facts):
+def _fact_problems(facts):  # [(name, text)]
     problems = []
     for name in dict.fromkeys(n for f in facts for n in f):
         values = [f.get(name, "absent" if "eval mode" not in name else False) for f in facts]
         if any(v != values[0] for v in values):
             if "eval mode" in name:  # a rank that evaluated and never called model.train() again
-                problems.append(f"{name} on rank(s) {[r for r, v in enumerate(values) if v]} only")
+                problems.append((name, f"{name} on rank(s) {[r for r, v in enumerate(values) if v]} only"))
             else:
-                problems.append(f"{name} is " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)))
+                problems.append((name, f"{name} is " + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values))))
     return problems
 
 

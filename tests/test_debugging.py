@@ -36,7 +36,8 @@ SCENARIOS = {  # scenario -> what its output must show: the diagnosis, as the to
                    "OK rank0-only"],
     "uneven": ["in Tensor.backward <- c10d::Reducer::finalize_backward", "$ python debug_tools.py stacks ",
                "TORCH_DISTRIBUTED_DEBUG=DETAIL on it", "with PyTorch's DDP", "with ManualDDP", "OK uneven"],
-    "drift": ["differ: 0.weight", "differ: 1.running_mean", "check_replicas says replicas identical", "OK drift"],
+    "drift": ["| 0.weight (float32, (16, 8)) on rank(s)", "| 1.running_mean (float32, (16,)) on rank(s)",
+              "check_replicas says replicas identical", "OK drift"],
     "crash": ["FloatingPointError: loss is nan at step 2", "OK crash"],
     "same-gpu": ["skipped: the ranks are on the CPU"],  # NCCL's lesson: the GPU tier runs it (test_gpu.py)
 }
@@ -65,7 +66,7 @@ def test_check_replicas_names_the_tensor_the_ranks_and_the_difference_on_every_r
                                                                    timeout=300, device=None), [2, 3])))
     for nproc, res in runs.items():
         assert not res.timed_out and res.returncode == 0, res.output[-4000:]
-        assert res.ok_line() == f"OK check_replicas on {nproc} ranks: 17 cases", res.output[-4000:]
+        assert res.ok_line() == f"OK check_replicas on {nproc} ranks: 22 cases", res.output[-4000:]
 
 
 def test_a_scenario_needs_two_ranks_a_known_name_and_broken_one_scenario():
@@ -181,8 +182,9 @@ def test_check_replicas_finds_a_per_rank_seed_and_a_tensor_attribute_that_ddp_ne
         results = list(pool.map(lambda run: launch.torchrun(WORKER, run[0], [*run[1], "--check", "--epochs", "1"],
                                                             timeout=300, device=None, PYTHONPATH=launch.REPO), runs))
     hand, ddp = (res.output for res in results)
-    assert "RuntimeError: replicas differ: proj (float32, (16, 16)) on rank(s) [1] " in hand, hand[-3000:]
-    assert "fc1.weight (float32, (32, 16)) on rank(s) [1]" in hand, hand[-3000:]
+    assert "RuntimeError: replicas differ in 5 places (parameters 4, tensor attributes 1)" in hand, hand[-3000:]
+    assert "\n  fc1.weight (float32, (32, 16)) on rank(s) [1] differs" in hand, hand[-3000:]
+    assert "\n  proj (float32, (16, 16)) on rank(s) [1] differs" in hand, hand[-3000:]
     message = re.search(r"RuntimeError: (replicas differ: .*)", ddp)
     assert message and message.group(1).startswith("replicas differ: module.proj (float32, (16, 16)) on rank(s) "
                                                    "[1, 2] differs from rank 0's by up to"), ddp[-3000:]

@@ -1,8 +1,12 @@
 """debug_tools.check_replicas on every rank under torchrun: quiet on identical replicas (plain, DDP- and
 ManualDDP-wrapped); on a difference on some ranks, the same RuntimeError on every rank naming the tensor (a parameter,
 a buffer, a frozen parameter, a plain tensor attribute, one in a list or a dict, the optimizer's state), the ranks and
-the largest difference; a different lr, eval mode, shape or a missing tensor named, not crashed on."""
+the largest difference; a different lr, eval mode, shape or a missing tensor named, not crashed on. BatchNorm's
+statistics after a step: reported, not raised, where DDP's broadcast_buffers overwrites them; raised, with what to do,
+where nothing does; not compared when ignored. A resume that loads the optimizer's state on rank 0 only: every
+difference counted, the optimizer's state listed before the parameters it made drift."""
 
+import copy
 import sys
 from pathlib import Path
 
@@ -27,16 +31,47 @@ def plus_one_ulp(t):  # the smallest change a dtype can hold
     t.copy_(torch.nextafter(t, torch.full_like(t, torch.inf)))
 
 
-def trained(wrapper, rank, bn=False):
-    """One step of `wrapper` on this rank's own batch, with momentum: identical replicas, optimizer state included,
+def trained(wrapper, rank, bn=False, steps=1):
+    """Steps of `wrapper` on this rank's own batches, with momentum: identical replicas, optimizer state included,
     but for BatchNorm's running statistics: DDP copies rank 0's at the start of each forward, not after it."""
     torch.manual_seed(0)
     m = wrapper(model() if bn else nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)))
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     torch.manual_seed(rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        m(torch.randn(8, 4)).sum().backward()
+        opt.step()
+    return m, opt
+
+
+def resumed_on_rank_0_only():
+    """A resume in which only rank 0 loads the optimizer's state (the model comes from DDP's broadcast), then a step:
+    the momentum differs (the cause) and so do the parameters (the symptom)."""
+    saved = copy.deepcopy(trained(DDP, rank, steps=2)[1].state_dict())  # the checkpoint's optimizer state
+    m, opt = trained(DDP, rank)
+    if rank == 0:
+        opt.load_state_dict(saved)
+    torch.manual_seed(rank)
     m(torch.randn(8, 4)).sum().backward()
     opt.step()
     return m, opt
+
+
+def causes_first(message):
+    """The resume's message: a count by kind, then the optimizer's state, then the parameters."""
+    lines = message.splitlines()
+    return lines[1].startswith("  optimizer state[module.0.weight]['momentum_buffer'] (float32, (3, 4)) on rank(s)") \
+        and lines[4] == "  ... 1 more optimizer state (the exception's .differences lists all)" \
+        and lines[5].startswith("  module.0.weight (float32, (3, 4)) on rank(s)")
+
+
+def bn_forward():
+    """A forward on this rank's own batch, no step: only BatchNorm's running statistics differ."""
+    m = model()
+    torch.manual_seed(rank)
+    m(torch.randn(8, 4))
+    return m
 
 
 def with_attr(name, value):
@@ -64,7 +99,8 @@ def lr_off(m_opt):
     return m, opt
 
 
-CASES = [  # (name, the model (or model, optimizer) on this rank, ranks that differ, what the error must say)
+CASES = [  # (name, the model (or model, optimizer[, ignore]) on this rank, ranks that differ, what the error must say
+    # or None: no error[, a pattern the message must match too])
     ("identical", lambda: model(), [], None),
     ("a parameter", lambda: _changed(lambda m: m[0].weight.data[1, 2].add_(0.5), last), last, "differ: 0.weight "),
     ("a buffer", lambda: _changed(lambda m: m[1].running_var.add_(0.25), others), others, "differ: 1.running_var "),
@@ -81,8 +117,20 @@ CASES = [  # (name, the model (or model, optimizer) on this rank, ranks that dif
      "differ: 0.cache['k'] "),
     ("identical, DDP after a step", lambda: trained(DDP, rank), [], None),
     ("identical, ManualDDP after a step", lambda: trained(ManualDDP, rank), [], None),
-    ("BatchNorm's statistics after a DDP step", lambda: trained(DDP, rank, bn=True), others,
-     "differ: module.1.running_mean "),
+    ("BatchNorm's statistics after a DDP step: DDP overwrites them", lambda: trained(DDP, rank, bn=True), [],
+     None, "2 buffer(s) differ by design: DDP (broadcast_buffers=True) overwrites them with rank 0's as its next "
+     "forward starts"),
+    ("BatchNorm's statistics, ManualDDP", lambda: trained(ManualDDP, rank, bn=True), [], None, "2 buffer(s) differ"),
+    ("BatchNorm's statistics, DDP(broadcast_buffers=False)", lambda: trained(lambda m: DDP(m, broadcast_buffers=False),
+     rank, bn=True), others, "replicas differ in 2 places (buffers 2)\n", "DDP with broadcast_buffers=False (or "
+     "forward_sync_buffers=False) does not copy them"),
+    ("BatchNorm's statistics, no wrapper", bn_forward, others, "replicas differ in 2 places (buffers 2)\n",
+     "nothing copies them"),
+    ("BatchNorm's statistics, no wrapper, ignored", lambda: (bn_forward(), None, ["*.running_mean", "*.running_var"]),
+     [], None, "ignored: 1.running_mean, 1.running_var"),
+    ("a resume that loads the optimizer's state on rank 0 only", resumed_on_rank_0_only, others,
+     "replicas differ in 8 places (optimizer state 4, parameters 4), the optimizer's state and settings first",
+     causes_first),
     ("the optimizer's momentum", lambda: momentum_off(trained(DDP, rank)), last,
      "differ: optimizer state[module.0.weight]['momentum_buffer'] "),
     ("the optimizer's lr", lambda: lr_off(trained(DDP, rank)), [], "differ: optimizer param_groups[0]['lr'] is 0.1 "
@@ -104,13 +152,11 @@ def _changed(change, ranks, dtype=torch.float32):
 
 
 failures = []
-for name, build, ranks, expected in CASES:
+for name, build, ranks, expected, *also in CASES:
     built = build()
-    if built is None:
-        continue
-    m, opt = built if isinstance(built, tuple) else (built, None)
+    m, opt, ignore = (*built, ())[:3] if isinstance(built, tuple) else (built, None, ())
     try:
-        message = check_replicas(m, opt)
+        message = check_replicas(m, opt, ignore=ignore)
         differed = False
     except RuntimeError as e:
         message, differed = str(e), True
@@ -123,6 +169,8 @@ for name, build, ranks, expected in CASES:
     elif expected is not None and not (differed and expected in message and (not ranks or f"rank(s) {ranks} " in
                                                                              message)):
         failures.append(f"{name}: expected {expected!r} and rank(s) {ranks}, got: {message}")
+    elif also and not (also[0](message) if callable(also[0]) else also[0] in message):
+        failures.append(f"{name}: expected {also[0]!r} too, got: {message}")
     if rank == 0:
         print(f"{name}: {message}", flush=True)
 dist.destroy_process_group()
