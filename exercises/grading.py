@@ -405,6 +405,7 @@ class _Run:
         self.ref_opt = torch.optim.SGD(self.ref.parameters(), lr=LR, momentum=MOMENTUM)
         self.exact = self.world == 2  # a/2 + b/2: one rounding, whatever the order; more ranks sum in other orders
         self.hooks = True  # the rung syncs from gradient hooks (rung 4 syncs after backward)
+        self.temporaries = 0  # rung 4: all-reduces of tensors that are neither a .grad nor a parameter
 
     def reference_backward(self, step, micros=1):
         """DDP's gradients (accumulated over `micros` micro-batches, the first ones under no_sync) and this rank's
@@ -438,7 +439,7 @@ class _Run:
             elif got is None:
                 problem = _problem(f"{name}.grad is None", "every parameter must hold its averaged gradient")
             elif not self._equal(got, want):
-                problem = _grad_problem(name, got, want, own, self.world, self.hooks)
+                problem = _grad_problem(name, got, want, own, self.world, self.hooks, self.temporaries)
             if problem:
                 break
         _agree(problem, label)
@@ -470,10 +471,15 @@ class _Run:
         return f"{what} equal to PyTorch's DistributedDataParallel's, {how}, on every rank"
 
 
-def _grad_problem(name, got, want, own, world, hooks):
+def _grad_problem(name, got, want, own, world, hooks, temporaries=0):
     def close(a, b):
         return torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
+    if torch.equal(got, own) and temporaries:
+        return _problem(f"{name}.grad is this rank's own gradient, not the mean over ranks: your all-reduces summed "
+                        f"temporary tensors ({temporaries} of them), never .grad itself",
+                        "an expression such as p.grad / world is a new tensor: dist.all_reduce sums it in place, "
+                        "then it is thrown away. All-reduce p.grad itself, then divide it (p.grad /= world)")
     if torch.equal(got, own):
         return _problem(f"{name}.grad is this rank's own gradient, not the mean over ranks: it was not all-reduced",
                         "every parameter's gradient must be all-reduced, biases too: "
@@ -504,8 +510,16 @@ def check_average_gradients(average_gradients):
         run.opt.zero_grad()
         F.mse_loss(run.mine(x), y).backward()
         before = [p.detach().clone() for p in run.mine.parameters()]
-        with watching(label):
+        with recording() as rec, watching(label):
             average_gradients(run.mine, world)
+        grads = {p.grad.data_ptr(): f"{n}.grad" for n, p in run.mine.named_parameters() if p.grad is not None}
+        raced = [grads.get(c.tensor.data_ptr(), "a tensor") for c in rec.calls_of("all_reduce") if c.raced]
+        _agree(_problem(f"{raced[0]} was changed (divided?) while its asynchronous all-reduce was still "
+                        "running: a race, whose result changes from run to run",
+                        "wait for the all-reduce before touching the tensor: work = dist.all_reduce(p.grad, "
+                        "async_op=True), then work.wait(), then p.grad /= world") if raced else None, label)
+        ours = set(grads) | {p.data_ptr() for p in run.mine.parameters()}
+        run.temporaries = sum(c.tensor.data_ptr() not in ours for c in rec.calls_of("all_reduce"))
         run.compare(label, [p.detach() for p in run.mine.parameters()], before,
                     "average_gradients changed the weights", "before the call",
                     hint="average_gradients must only change .grad (all-reduce p.grad, not p or p.data)")
@@ -947,6 +961,9 @@ class Call:
     abs_sum: float  # all_reduce: sum of |x| at launch (was the bucket multiplied by 1/N before?)
     peer: int = None  # send/recv: the rank it sends to or receives from (None: a recv from any source)
     work: object = None
+    tensor: object = None  # all_reduce: the tensor reduced in place, and its version counter at launch: an
+    version: int = 0  # in-place change before wait() (p.grad /= world) races with the reduction
+    raced: bool = False  # changed in place while in flight
 
     def describe(self):
         """What this rank is doing, in words: 'sending 5 elements to rank 2'."""
@@ -966,11 +983,18 @@ class _Tracked:
 
     def wait(self, *args, **kwargs):
         self.waited = True
-        self._recorder.waiting = self._call
+        call = self._call
+        if call.tensor is not None and call.tensor._version != call.version:
+            call.raced = True
+        self._recorder.waiting = call
         try:
-            return self._work.wait(*args, **kwargs)
+            result = self._work.wait(*args, **kwargs)
+        except BaseException:
+            self._recorder.failed = call
+            raise
         finally:
             self._recorder.waiting = None
+        return result
 
     def get_future(self):
         self.waited = True  # whoever takes the future waits through it
@@ -984,6 +1008,7 @@ class _Recorder:
     def __init__(self, ready=None):
         self.calls, self.phase, self.ready, self.inside = [], "forward", ready, False
         self.waiting = None  # the call whose blocking function, or whose Work's wait(), the rank is in
+        self.failed = None  # the call whose blocking function, or wait(), raised (a timeout: where the rank waited)
 
     def count(self, kind):
         return sum(1 for c in self.calls if KINDS[c.op] == kind)
@@ -1046,10 +1071,15 @@ def _counted(op, fn):
                     ready=rec.ready[0] if rec.ready else 0,
                     abs_sum=t.detach().double().abs().sum().item() if op == "all_reduce" else 0.0,
                     peer=_peer(op, args, kwargs))
+        if op == "all_reduce":
+            call.tensor, call.version = t, t._version
         rec.calls.append(call)
         rec.inside, rec.waiting = True, call
         try:
             work = fn(*args, **kwargs)
+        except BaseException:
+            rec.failed = call
+            raise
         finally:
             rec.inside, rec.waiting = False, None
         if (op == "all_reduce" or KINDS[op] in ("send", "recv")) and work is not None:
@@ -1120,20 +1150,26 @@ class Watchdog:
         stack = traceback.extract_stack(frame) if frame is not None else []
         mine = _frame_in(stack, self.participant)
         ours = [f for f in stack if f.filename == __file__]
-        rec = _recorder or _last
-        call = rec.waiting if rec else None
-        record = {"status": "hang", "label": self.label if since is not None else None,
-                  "waited_s": None if since is None else round(time.monotonic() - since, 1),
-                  "where": _describe(mine), "checker": _describe(ours[-1]) if ours else None,
-                  "call": call and {"op": call.op, "kind": KINDS[call.op], "peer": call.peer,
-                                    "numel": call.numel, "text": call.describe()},
-                  # the collectives this rank issued so far in the watched call: ranks that issued different ones
-                  # (another order, one fewer) wait for each other forever
-                  "collectives": [[c.op, c.numel] for c in rec.calls if KINDS[c.op] == "collective"] if rec else []}
+        record = hang_record(_describe(mine), _describe(ours[-1]) if ours else None)
+        record.update(label=self.label if since is not None else None,
+                      waited_s=None if since is None else round(time.monotonic() - since, 1))
         tmp = self.out + ".tmp"
         with open(tmp, "w") as f:
             json.dump(record, f)
         os.replace(tmp, self.out)
+
+
+def hang_record(where, checker):
+    """Where this rank waits (`where`: the participant's line, from _describe; `checker`: the checker's, when the
+    participant's code had returned) and for what: the call it is in, or whose timeout it raised, and the
+    collectives it issued in the latest recording. check.py's diagnosis reads one per rank."""
+    rec = _recorder or _last
+    call = rec and (rec.waiting or rec.failed)
+    return {"status": "hang", "where": where, "checker": checker,
+            "call": call and {"op": call.op, "kind": KINDS[call.op], "peer": call.peer, "numel": call.numel,
+                              "text": call.describe()},
+            # ranks that issued different collectives (another order, one fewer) wait for each other forever
+            "collectives": [[c.op, c.numel] for c in rec.calls if KINDS[c.op] == "collective"] if rec else []}
 
 
 def start_watchdog(hang_s, out, request, participant):

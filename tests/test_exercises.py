@@ -27,7 +27,7 @@ PROJECT = {  # the project's own implementation of each rung
 # Correct solutions in other styles than the hints' (a participant's): each must pass its rung.
 VARIANTS = {
     "ring_all_reduce": ["ring_all_reduce_batched.py"],  # dist.batch_isend_irecv
-    "ddp_naive": ["ddp_naive_avg.py"],  # ReduceOp.AVG
+    "ddp_naive": ["ddp_naive_avg.py", "ddp_naive_async.py"],  # ReduceOp.AVG; async, waited for, then divided
     "ddp_overlap": ["ddp_overlap_futures.py"],  # futures, waited for in a queued callback
     "ddp_buckets": ["ddp_buckets_views.py"],  # .grad views into the buckets, re-pointed after zero_grad
     "zero1": ["zero1_whole.py"],  # whole parameters per rank, not flat shards
@@ -89,6 +89,13 @@ MISTAKES = {
         "1/N forgotten": ([("            p.grad /= world\n", "")], "summed, not averaged"),
         "biases skipped": ([("if p.requires_grad:", "if p.dim() > 1:")], "fc1.bias.grad is this rank's own gradient"),
         "weights reduced": ([("dist.all_reduce(p.grad)", "dist.all_reduce(p.data)")], "changed the weights"),
+        "a temporary reduced": ([("            dist.all_reduce(p.grad)\n            p.grad /= world\n",
+                                  "            dist.all_reduce(p.grad / world)\n")],
+                                "your all-reduces summed temporary tensors (6 of them), never .grad itself"),
+        "divided before wait()": ([("            dist.all_reduce(p.grad)\n            p.grad /= world\n",
+                                    "            work = dist.all_reduce(p.grad, async_op=True)\n"
+                                    "            p.grad /= world\n            work.wait()\n")],
+                                  "was changed (divided?) while its asynchronous all-reduce was still running"),
     },
     "ddp_overlap": {
         "after backward": ([("p.register_post_accumulate_grad_hook(self._launch)", "pass"),
