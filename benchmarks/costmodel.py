@@ -43,6 +43,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -85,6 +86,21 @@ HARDWARE = {
         source="DGX A100: 8x A100 SXM4 80GB, NVLink 600 GB/s (300 each way), BF16 312 TFLOPS dense "
                "(https://www.nvidia.com/en-us/data-center/a100/); 8 ConnectX-6 200 Gb/s HDR InfiniBand = 200 GB/s per "
                "node (https://docs.nvidia.com/dgx/dgxa100-user-guide/introduction-to-dgxa100.html)"),
+    "v100-16gb": dict(
+        gpus_per_node=8, intra_busbw=150.0, inter_busbw=50.0, alpha_intra=5e-6, alpha_inter=8e-6,
+        peak_tflops=125.0, memory_gib=16.0,
+        source="DGX-1 with V100: 8x Tesla V100 SXM2 16GB, NVLink 2 (300 GB/s a GPU: 6 links of 25 GB/s each way = 150 "
+               "each way), FP16 tensor cores 125 TFLOPS (V100 has no bf16: fp16 with loss scaling) "
+               "(https://www.nvidia.com/en-us/data-center/v100/, the V100 datasheet); 4 x 100 Gb/s EDR InfiniBand = "
+               "50 GB/s per node (the DGX-1 datasheet). Its NVLink is a hybrid cube-mesh, not a switch: NCCL's "
+               "rings run below the line rate taken here"),
+    "v100-32gb": dict(
+        gpus_per_node=16, intra_busbw=150.0, inter_busbw=100.0, alpha_intra=5e-6, alpha_inter=8e-6,
+        peak_tflops=125.0, memory_gib=32.0,
+        source="DGX-2, the ZeRO paper's nodes: 16x Tesla V100 SXM3 32GB on NVSwitch (NVLink 2, 150 GB/s each way "
+               "a GPU to any other), 125 TFLOPS fp16 each (2 PFLOPS a node); 8 x 100 Gb/s EDR InfiniBand = 100 GB/s "
+               "per node, the paper's \"800 Gbps internode\" (Rajbhandari et al., SC20, arXiv:1910.02054, Sec. "
+               "10.1; https://www.nvidia.com/en-us/data-center/dgx-2/)"),
     "100gbe": dict(
         gpus_per_node=8, intra_busbw=450.0, inter_busbw=12.5, alpha_intra=3e-6, alpha_inter=25e-6,
         peak_tflops=989.0, memory_gib=80.0,
@@ -320,14 +336,18 @@ def best_bucket(fwd, ready, bwd_end, opt, grad_bytes, link, ranks, strategy="ddp
 
 # --- memory per rank ---
 def memory(strategy, params, ranks, param_bytes=2, grad_bytes=2, state_bytes=12, bucket_bytes=0, unit_params=0,
-           activations=0, next_unit_params=None):
+           activations=0, next_unit_params=None, ddp_buckets=False):
     """Bytes per rank: parameters, gradients, optimizer state (state_bytes a parameter: AdamW's two moments, plus
     fp32 master weights in mixed precision: 12 = 4 + 4 + 4), buckets, FSDP's gathered units (unit_params: the
-    largest, next_unit_params: the next largest, gathered beside it; default the same), activations."""
+    largest, next_unit_params: the next largest, gathered beside it; default the same), activations.
+    ddp_buckets: PyTorch's DDP (and ZeRO-1, its ZeroRedundancyOptimizer under DDP) keeps its buckets beside the
+    gradients, a second copy of them, unless gradient_as_bucket_view=True makes each .grad a view into its bucket
+    (05's DDPCore, 07 and the ZeRO paper's table hold none)."""
     shard = math.ceil(params / ranks)
     next_unit_params = unit_params if next_unit_params is None else next_unit_params
-    rows = {"ddp": (params * param_bytes, params * grad_bytes, params * state_bytes, 0),
-            "zero1": (params * param_bytes, params * grad_bytes, shard * state_bytes, 0),
+    copy = params * grad_bytes if ddp_buckets else 0
+    rows = {"ddp": (params * param_bytes, params * grad_bytes, params * state_bytes, copy),
+            "zero1": (params * param_bytes, params * grad_bytes, shard * state_bytes, copy),
             # ZeRO-2 keeps the mean of its shard, plus full-size buckets only while they fill and travel (07)
             "zero2": (params * param_bytes, shard * grad_bytes, shard * state_bytes, bucket_bytes),
             # FSDP: shards, plus two gathered units (this one and the prefetched next) and one unit's full gradient
@@ -338,8 +358,13 @@ def memory(strategy, params, ranks, param_bytes=2, grad_bytes=2, state_bytes=12,
 
 
 # --- models, for predict ---
+CONFIG_TYPES = ("gpt2", "llama", "mistral", "qwen2", "gpt_neox")
+
+
 def model_shape(name):
-    """The shape of --model: a name from MODELS, or a Hugging Face config.json (GPT-2 or Llama style)."""
+    """The shape of --model: a name from MODELS, or a Hugging Face config.json, read by its model_type (GPT-2;
+    Llama, Mistral and Qwen2, which share Llama's layer; GPT-NeoX, Pythia's), with each default Hugging Face's
+    config class gives a key the file leaves out."""
     if name in MODELS:
         return dict(MODELS[name], name=name)
     try:
@@ -347,39 +372,58 @@ def model_shape(name):
             cfg = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"--model {name}: not one of {', '.join(MODELS)}, nor a readable config.json ({e})") from None
+    kind = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if kind not in CONFIG_TYPES:
+        raise ValueError(f"--model {name}: model_type {kind!r} is not one the cost model reads "
+                         f"({', '.join(CONFIG_TYPES)})")
     try:
-        if "n_layer" in cfg:  # GPT-2's names
-            return dict(kind="gpt2", layers=cfg["n_layer"], d=cfg["n_embd"], heads=cfg.get("n_head", 1),
+        if kind == "gpt2":  # learned positions, biases, LayerNorm, the head tied unless the config says not
+            return dict(kind="gpt2", layers=cfg["n_layer"], d=cfg["n_embd"], heads=cfg.get("n_head", 12),
                         vocab=cfg["vocab_size"], ctx=cfg.get("n_positions", 1024),
-                        ff=cfg.get("n_inner") or 4 * cfg["n_embd"], tied=True, name=name)
-        heads = cfg.get("num_attention_heads", 1)
-        return dict(kind="llama", layers=cfg["num_hidden_layers"], d=cfg["hidden_size"], heads=heads,
-                    vocab=cfg["vocab_size"], ctx=cfg.get("max_position_embeddings", 2048),
-                    ff=cfg["intermediate_size"], tied=cfg.get("tie_word_embeddings", False),
-                    kv=cfg.get("num_key_value_heads", heads) / heads, name=name)
+                        ff=cfg.get("n_inner") or 4 * cfg["n_embd"], tied=cfg.get("tie_word_embeddings", True),
+                        name=name)
+        d, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        if kind == "gpt_neox":
+            # Parallel residual (attention and MLP both read the layer's input) and partial rotary (rotary_pct of
+            # each head rotated) change neither the parameters nor the FLOPs: read, kept for the record
+            rotary = cfg.get("rotary_pct", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25))
+            return dict(kind="gpt_neox", layers=cfg["num_hidden_layers"], d=d, heads=heads, vocab=cfg["vocab_size"],
+                        ctx=cfg.get("max_position_embeddings", 2048), ff=cfg.get("intermediate_size") or 4 * d,
+                        tied=cfg.get("tie_word_embeddings", False), bias=cfg.get("attention_bias", True),
+                        parallel_residual=cfg.get("use_parallel_residual", True), rotary_pct=rotary, name=name)
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        return dict(kind="llama", layers=cfg["num_hidden_layers"], d=d, heads=heads, kv=kv_heads / heads,
+                    head_dim=cfg.get("head_dim") or d // heads, vocab=cfg["vocab_size"],
+                    ctx=cfg.get("max_position_embeddings", 2048), ff=cfg["intermediate_size"],
+                    tied=cfg.get("tie_word_embeddings", False),
+                    # Qwen2 biases q, k and v (not o); Llama's attention_bias biases all four
+                    qkv_bias=kind == "qwen2" or cfg.get("attention_bias", False),
+                    o_bias=kind != "qwen2" and cfg.get("attention_bias", False),
+                    mlp_bias=cfg.get("mlp_bias", False), name=name)
     except (KeyError, TypeError, ZeroDivisionError) as e:
-        raise ValueError(f"--model {name}: a config.json without {e}") from None
-
-
-def layer_params(m):
-    """(parameters of one transformer layer, of the embeddings and head)."""
-    d, ff = m["d"], m["ff"]
-    if m["kind"] == "gpt2":
-        layer = 4 * d * d + 4 * d + 2 * d * ff + ff + d + 4 * d  # attention, MLP, two LayerNorms
-        outer = m["vocab"] * d + m["ctx"] * d + 2 * d
-    else:
-        kv = m.get("kv", 1.0)
-        layer = (2 + 2 * kv) * d * d + 3 * d * ff + 2 * d  # q, o, k, v; gate, up, down; two RMSNorms
-        outer = m["vocab"] * d * (1 if m["tied"] else 2) + d
-    return int(layer), int(outer)
+        raise ValueError(f"--model {name}: a {kind} config.json without {e}") from None
 
 
 def layer_tensors(m):
-    """One layer's parameter tensors, in forward order, sized as layer_params counts them."""
-    d, ff, layer = m["d"], m["ff"], layer_params(m)[0]
-    mats = [3 * d * d, d * d, d * ff, ff * d] if m["kind"] == "gpt2" else \
-        [d * d, m.get("kv", 1.0) * d * d, m.get("kv", 1.0) * d * d, d * d, d * ff, d * ff, ff * d]
-    return [layer - int(sum(mats))] + [int(x) for x in mats]  # the norms and biases, small, first
+    """One layer's parameter tensors, in forward order: the norms and biases (small) first, then the matrices."""
+    d, ff = m["d"], m["ff"]
+    if m["kind"] in ("gpt2", "gpt_neox"):  # fused q/k/v, output, MLP up and down; two LayerNorms (weight, bias)
+        bias = 3 * d + d if m.get("bias", True) else 0  # attention's (GPT-NeoX's attention_bias); the MLP's always
+        return [4 * d + bias + ff + d, 3 * d * d, d * d, d * ff, ff * d]
+    q = m["heads"] * m.get("head_dim", d // m["heads"])
+    kv = round(m.get("kv", 1.0) * m["heads"]) * m.get("head_dim", d // m["heads"])
+    small = 2 * d + (q + 2 * kv) * m.get("qkv_bias", False) + d * m.get("o_bias", False) \
+        + (2 * ff + d) * m.get("mlp_bias", False)  # two RMSNorms, the biases a config asks for
+    return [small, d * q, d * kv, d * kv, q * d, d * ff, d * ff, ff * d]
+
+
+def layer_params(m):
+    """(parameters of one transformer layer, of the embeddings, head and final norm)."""
+    layer = sum(layer_tensors(m))
+    head = m["vocab"] * m["d"] * (1 if m["tied"] else 2)
+    outer = {"gpt2": head + m["ctx"] * m["d"] + 2 * m["d"],  # learned positions, final LayerNorm
+             "gpt_neox": head + 2 * m["d"], "llama": head + m["d"]}[m["kind"]]
+    return int(layer), int(outer)
 
 
 CHECKPOINTING, ATTENTION, STRATEGIES = ("none", "selective", "full"), ("flash", "eager"), \
@@ -434,25 +478,159 @@ def sent_per_step(strategy, params, gpus, gpus_per_node=8, accum=1):
             "hsdp": accum * 3 * ring(shard) * size + 2 * ring(gpus // shard) * size / shard}[strategy]
 
 
-def predict(model, gpus, gpus_per_node=8, hardware="h100-ib", strategy="ddp", batch=4, seq=None, mfu=None,
+def hardware_figures(hardware, gpu_mem_gib=None, inter_node_gbps=None, intra_node_gbps=None, peak_tflops=None,
+                     gpus_per_node=None):
+    """A HARDWARE profile with the user's figures in place of its own; "yours" names those replaced."""
+    hw = dict(HARDWARE[hardware], profile=hardware)
+    yours = []
+    for key, value in (("intra_busbw", intra_node_gbps), ("inter_busbw", inter_node_gbps),
+                       ("memory_gib", gpu_mem_gib), ("peak_tflops", peak_tflops), ("gpus_per_node", gpus_per_node)):
+        if value is not None and value != hw[key]:
+            yours.append(key)
+        if value is not None:
+            hw[key] = type(hw[key])(value)
+    hw["yours"] = yours
+    hw.pop("source")
+    return hw
+
+
+def describe_hardware(hw):
+    """The figures a prediction used, each marked "yours" where the user's replaced the profile's."""
+    def mark(key, text):
+        return f"{text} (yours)" if key in hw["yours"] else text
+    return (f"{hw['profile']}{' with your figures' if hw['yours'] else ''}: "
+            + ", ".join([mark("gpus_per_node", f"{hw['gpus_per_node']} GPUs a node"),
+                         mark("intra_busbw", f"{hw['intra_busbw']:g} GB/s a GPU within a node"),
+                         mark("inter_busbw", f"{hw['inter_busbw']:g} GB/s a node across nodes"),
+                         mark("memory_gib", f"{hw['memory_gib']:g} GiB"),
+                         mark("peak_tflops", f"{hw['peak_tflops']:g} TFLOPS peak")]))
+
+
+def bandwidth(text):
+    """A bandwidth flag's value in GB/s: a bare number is GB/s (bytes); with a unit, what the user has: 50GB/s,
+    400Gb/s, 400gbps, 400 Gbit/s (bits: / 8), and a count of ports in front: 8x400Gb/s = 400 GB/s. Datasheets quote
+    NICs in Gb/s per port, NVLink in GB/s."""
+    match = re.fullmatch(r"\s*(?:(\d+)\s*[x*]\s*)?([0-9.]+(?:e[+-]?\d+)?)\s*([A-Za-z/]*)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a bandwidth: {text!r} (GB/s; or 400Gb/s, 8x400Gbps, 50GB/s)")
+    ports, value, unit = int(match[1] or 1), float(match[2]), match[3]
+    if unit and not re.fullmatch(r"(?i)g(b|bit|bits|byte|bytes)(/s|ps)?", unit):
+        raise argparse.ArgumentTypeError(f"{text!r}: unit {unit!r} is not GB/s nor Gb/s (e.g. 50GB/s, 400Gbps)")
+    bits = unit[1:2] == "b" or "bit" in unit.lower()  # Gb, gb, Gbit: bits; GB, GByte: bytes
+    gb_s = ports * value / (8 if bits else 1)
+    if not (gb_s > 0 and math.isfinite(gb_s)):
+        raise argparse.ArgumentTypeError(f"must be a positive bandwidth, got {text!r}")
+    return gb_s
+
+
+# What the default (HFU 0.4) predicted for the published runs in tests/test_costmodel.py's PUBLISHED, as a
+# fraction of their tokens/s (the test recomputes it): a guess, off by this much on well-tuned runs
+DEFAULT_GUESS = (0.51, 1.15)
+
+
+def read_measurement(path, row=None):
+    """A throughput measured on GPUs, from the JSON of benchmarks/gpu_check.sh ({"gpu", "peak_tflops", "rows": [
+    {"name", "impl", "world_size", "tokens_per_s", "n_params", "n_layer", "n_embd", "seq_len", "batch_size", ...}]})
+    or of benchmarks/ddp_step.py ({"world_size", "device", "parameters", "impls": {name: {"tokens_per_s",
+    "tflops", ...}}}). row: a row's name (gpu_check) or impl (ddp_step); default the fastest with DDP in it."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--measured {path}: not a readable JSON ({e})") from None
+    if isinstance(data, dict) and isinstance(data.get("rows"), list):  # gpu_check
+        rows = {r["name"]: r for r in data["rows"]}
+        ddp = [n for n, r in rows.items() if r.get("impl") != "none"] or list(rows)
+    elif isinstance(data, dict) and isinstance(data.get("impls"), dict):  # ddp_step
+        if data.get("device") != "cuda":
+            raise ValueError(f"--measured {path}: measured on {data.get('device')}, not a GPU: no MFU to take")
+        rows = {n: dict(r, name=n, impl=n, world_size=data["world_size"], n_params=data.get("parameters"),
+                        tflops=r.get("tflops")) for n, r in data["impls"].items()}
+        ddp = [n for n in rows if n in ("manual", "torch")] or list(rows)
+    else:
+        raise ValueError(f"--measured {path}: neither gpu_check's JSON (rows) nor ddp_step's (impls)")
+    if row is None:
+        row = max(ddp, key=lambda n: rows[n]["tokens_per_s"])
+    if row not in rows:
+        raise ValueError(f"--measured-row {row!r}: not in {path} (rows: {', '.join(rows)})")
+    r = rows[row]
+    return dict(tokens_per_s=float(r["tokens_per_s"]), gpus=int(r.get("world_size") or 1), name=f"{path} {row!r}",
+                n_params=r.get("n_params"), n_layer=r.get("n_layer"), n_embd=r.get("n_embd"),
+                seq_len=r.get("seq_len"), batch_size=r.get("batch_size"), tflops=r.get("tflops"),
+                peak_tflops=data.get("peak_tflops"), impl=r.get("impl"))
+
+
+def rate_from_measurement(m, measured, run):
+    """(HFU, what it came from): the compute's rate a measured run implies. Of this model (the same parameters):
+    the HFU at which this model predicts the measured tokens/s on the measured GPUs (one node), found by bisection,
+    so that the communication the model sees there is not counted twice when it scales out. Of another model: that
+    run's own MFU, tokens/s x its FLOPs a token / (GPUs x peak), carried over (without recompute: its HFU)."""
+    gpus = measured["gpus"]
+    per_gpu = measured["tokens_per_s"] / gpus
+    layer, outer = layer_params(m)
+    params = m["layers"] * layer + outer
+    same = measured.get("n_params") is None or abs(measured["n_params"] / params - 1) < 0.01
+    hw = hardware_figures(run["hardware"], run["gpu_mem_gib"], run["inter_node_gbps"], run["intra_node_gbps"],
+                          run["peak_tflops"], run["gpus_per_node"])
+    peak = measured.get("peak_tflops") or hw["peak_tflops"]
+    if gpus > hw["gpus_per_node"]:
+        raise ValueError(f"measured on {gpus} GPUs: more than one node of {hw['gpus_per_node']}; measure on one node")
+    if not same:
+        if measured.get("tflops"):  # ddp_step counts the FLOPs itself (the whole job's)
+            hfu = measured["tflops"] / gpus / peak
+        elif measured.get("n_layer") and measured.get("n_embd") and measured.get("seq_len"):
+            flops = 6 * measured["n_params"] + 12 * measured["n_layer"] * measured["n_embd"] * measured["seq_len"]
+            hfu = per_gpu * flops / (peak * 1e12)
+        else:
+            raise ValueError(f"--measured {measured['name']}: another model ({measured['n_params']:,} parameters, "
+                             f"this one {params:,}) and not its shape (n_layer, n_embd, seq_len): no MFU to take")
+        if not 0 < hfu <= 1:
+            raise ValueError(f"--measured {measured['name']}: an MFU of {hfu:.3f} at {peak:g} TFLOPS peak")
+        return hfu, f"MFU {hfu:.3f} measured ({measured['name']}, {measured['n_params']:,} parameters) and carried over"
+    kw = dict(run, seq=measured.get("seq_len") or run["seq"], batch=measured.get("batch_size") or run["batch"])
+    if gpus < 2 or measured.get("impl") == "none":
+        kw["strategy"] = "ddp"  # no communication to take out: one GPU, or each rank alone
+    kw.update(gpus_per_node=hw["gpus_per_node"], peak_tflops=peak)  # the rate is a fraction of the measured GPU's peak
+
+    def rate(x):
+        return predict(m, gpus, hfu=x, **kw)["tokens_per_s_per_gpu"]
+    lo, hi = 1e-6, 1.0
+    if rate(hi) < per_gpu:
+        raise ValueError(f"measured {measured['tokens_per_s']:,.0f} tokens/s on {gpus} GPUs: more than this model "
+                         f"computes at 100% of {peak:g} TFLOPS (another model, GPU or sequence length?)")
+    for _ in range(60):  # the step only shortens as the compute's rate rises: bisection
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rate(mid) < per_gpu else (lo, mid)
+    return hi, (f"HFU {hi:.3f} from {measured['tokens_per_s']:,.0f} tokens/s measured on {gpus} GPU(s) "
+                f"({measured['name']})")
+
+
+def predict(model, gpus, gpus_per_node=None, hardware="h100-ib", strategy="ddp", batch=4, seq=None, mfu=None,
             bucket_mb=None, hfu=None, activation_checkpointing="none", grad_accum=1, attention="flash",
             gpu_mem_gib=None, inter_node_gbps=None, intra_node_gbps=None, peak_tflops=None, prefetch=True,
-            trace=None):
+            trace=None, bucket_view=False, measured=None):
     """The step of one model on gpus GPUs: a dict with the keys `predict --json` prints. batch: sequences per GPU
     per micro-batch; grad_accum micro-batches a step. mfu (model FLOPs) or hfu (hardware FLOPs, recompute
-    included): the rate of the compute, as a fraction of the peak; neither: hfu 0.4. The hardware: a HARDWARE
-    name, its figures replaced by those given (GB/s per node each direction across nodes, per GPU within).
+    included): the rate of the compute, as a fraction of the peak; or measured (read_measurement's dict: a run's
+    tokens/s, from which the rate is derived); none of them: hfu 0.4, a guess. The hardware: a HARDWARE name, its
+    figures replaced by those given (GB/s per node each direction across nodes, per GPU within; gpus_per_node
+    default: the profile's). bucket_view: PyTorch DDP's gradient_as_bucket_view=True (no second gradient copy).
     prefetch=False: FSDP without backward prefetch; trace: a list for FSDP's timeline (fsdp_step)."""
     m = model_shape(model) if isinstance(model, str) else model
-    if mfu is not None and hfu is not None:
-        raise ValueError("--mfu and --hfu: give one (--mfu counts the model's FLOPs, --hfu those recomputed too)")
+    if sum(x is not None for x in (mfu, hfu, measured)) > 1:
+        raise ValueError("--mfu, --hfu and a measured throughput: give one (--mfu counts the model's FLOPs, --hfu "
+                         "those recomputed too; a measurement gives the rate itself)")
+    hw = hardware_figures(hardware, gpu_mem_gib, inter_node_gbps, intra_node_gbps, peak_tflops, gpus_per_node)
+    gpus_per_node = hw["gpus_per_node"]
     if strategy == "hsdp" and gpus > gpus_per_node and gpus % gpus_per_node:
         raise ValueError(f"hsdp: --gpus {gpus} is not a whole number of nodes of {gpus_per_node}")
-    hw = dict(HARDWARE[hardware])
-    for key, value in (("intra_busbw", intra_node_gbps), ("inter_busbw", inter_node_gbps),
-                       ("memory_gib", gpu_mem_gib), ("peak_tflops", peak_tflops)):
-        if value is not None:
-            hw[key] = float(value)
+    source = "given" if mfu is not None or hfu is not None else "default"
+    if measured is not None:
+        hfu, source = rate_from_measurement(m, measured, dict(
+            hardware=hardware, gpu_mem_gib=gpu_mem_gib, inter_node_gbps=inter_node_gbps,
+            intra_node_gbps=intra_node_gbps, peak_tflops=peak_tflops, gpus_per_node=gpus_per_node,
+            strategy=strategy, batch=batch, seq=seq, activation_checkpointing=activation_checkpointing,
+            grad_accum=grad_accum, attention=attention, bucket_mb=bucket_mb, bucket_view=bucket_view))
     seq = seq or m["ctx"]
     link = Link.from_profile(hw, gpus_per_node)
     layer, outer = layer_params(m)
@@ -494,7 +672,8 @@ def predict(model, gpus, gpus_per_node=8, hardware="h100-ib", strategy="ddp", ba
             best_mb = bucket_mb
         else:
             step, exposed, best_mb = best_bucket(fwd, ready, bwd, opt, grads, link, gpus, strategy, grad_accum)
-        mem = memory(strategy, params, gpus, bucket_bytes=(best_mb or 25) * MIB, activations=acts)
+        mem = memory(strategy, params, gpus, bucket_bytes=(best_mb or 25) * MIB, activations=acts,
+                     ddp_buckets=not bucket_view)
     per_gpu = tokens * grad_accum / step
     # Scaling efficiency as ddp_step.py measures it: the same per-rank work without communication, over the step
     return dict(step_ms=step * 1e3, tokens_per_s=per_gpu * gpus, tokens_per_s_per_gpu=per_gpu,
@@ -507,7 +686,8 @@ def predict(model, gpus, gpus_per_node=8, hardware="h100-ib", strategy="ddp", ba
                 achieved_mfu=per_gpu * model_flops / peak, flops_per_token=model_flops,
                 hardware_flops_per_token=hw_flops, activation_checkpointing=activation_checkpointing,
                 attention=attention, grad_accum=grad_accum, global_batch_tokens=tokens * grad_accum * gpus,
-                sent_gb_per_gpu_per_step=sent_per_step(strategy, params, gpus, gpus_per_node, grad_accum) / GB)
+                sent_gb_per_gpu_per_step=sent_per_step(strategy, params, gpus, gpus_per_node, grad_accum) / GB,
+                rate_source=source, hardware=hw)
 
 
 def zero_table(params=7.5e9, degrees=(1, 4, 16, 64, 256, 1024)):
@@ -583,12 +763,17 @@ def check_ddp(lesson, device, link, caps_mb, rounds, shape):
     import torch
     import torch.distributed as dist
     m05 = load_script("05_manual_ddp_gpt2.py")
-    a05 = m05.parse_args(["--n-layer", str(shape[0]), "--n-embd", str(shape[1]), "--n-head", "4",
-                          "--seq-len", "64"])
-    _, bare = m05.build_model(a05)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def build():  # a GPT-2 of --shape's layers and width, the same weights on every rank (05's model, resized)
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=shape[1], n_layer=shape[0], n_head=4,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                          activation_function="gelu_pytorch_tanh"))
+    bare = build()
     wrapped = {}
     for cap in caps_mb:
-        _, model = m05.build_model(a05)
+        model = build()
         wrapped[cap] = m05.DDPCore(model, bucket_cap_mb=cap)
     params = [p for p in bare.parameters() if p.requires_grad]
     stamp = {}
@@ -671,8 +856,41 @@ def check_memory(lesson, device):
     held = [mib * MIB for mib in m08.held_mib(list(net.parameters()), opt)]
     pred = memory("fsdp", n, lesson.WORLD, 4, 4, 8)
     rows.append(("fsdp", held, [pred["parameters"], pred["gradients"], pred["optimizer_state"]]))
+    # PyTorch's DDP: the bytes its gradients and buckets hold after three steps (the buckets rebuilt after the
+    # first), with and without gradient_as_bucket_view, against memory()'s gradients and bucket copy
+    for view in (False, True):
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+        n = sum(p.numel() for p in net.parameters())
+
+        def three_steps():
+            ddp = nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=view, bucket_cap_mb=0.25)  # noqa: B023
+            for _ in range(3):
+                ddp(torch.randn(8, 256)).square().mean().backward()
+            return ddp
+        pred = memory("ddp", n, lesson.WORLD, 4, 4, 8, ddp_buckets=not view)
+        rows.append((f"torch ddp{', bucket view' if view else ''}", [held_bytes(three_steps)],
+                     [pred["gradients"], pred["buckets_and_units"]]))
     return [dict(strategy=s, measured_bytes=sum(h), predicted_bytes=sum(p), error=sum(p) / sum(h) - 1,
                  measured_parts=h, predicted_parts=p) for s, h, p in rows]
+
+
+def held_bytes(fn):
+    """Bytes that fn() leaves allocated (allocations minus frees while it runs, what it returns kept alive), from
+    the profiler's allocation records: on CPU the resident set is too coarse (benchmarks/ddp_step.py's peak_mb
+    reads the same records; private profiler internals: fine in a benchmark, never in a lesson)."""
+    import torch
+    from torch._C._profiler import _EventType
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        kept = fn()  # noqa: F841 (alive until the records are read)
+    total, todo = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        node = todo.pop()
+        todo += node.children
+        if node.tag == _EventType.Allocation:  # alloc_size > 0 for an allocation, < 0 for a free
+            total += node.extra_fields.alloc_size
+    return total
 
 
 # --- the command line ---
@@ -733,8 +951,9 @@ def check_main(args):
         say(f"| {r['bucket_cap_mb']} | {r['buckets']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | "
             f"{r['error']:+.0%} | {r['exposed_comm_ms']:.1f} | {r['bare_ms']:.1f} |")
     mem_rows = check_memory(lesson, device)
-    say("\nheld at the optimizer step (parameters + gradients + AdamW state), fp32:\n"
-        "| strategy | predicted bytes | measured bytes (07/08) | error |\n|---|---:|---:|---:|")
+    say("\nheld at the optimizer step (parameters + gradients + AdamW state; PyTorch's DDP: its gradients and "
+        "buckets), fp32:\n| strategy | predicted bytes | measured bytes (07/08; allocated) | error |\n"
+        "|---|---:|---:|---:|")
     for r in mem_rows:
         say(f"| {r['strategy']} | {r['predicted_bytes']:,} | {r['measured_bytes']:,} | {r['error']:+.1%} |")
     if lesson.RANK == 0 and args.json:
@@ -758,15 +977,19 @@ def collective_main(args):
 JSON_KEYS = ("step_ms", "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "exposed_comm_ms",
              "memory_gib_per_gpu", "gpu_mem_gib", "fits", "best_bucket_mb", "utilization", "mfu", "hfu",
              "achieved_mfu", "flops_per_token", "hardware_flops_per_token", "activation_checkpointing", "attention",
-             "grad_accum", "global_batch_tokens", "sent_gb_per_gpu_per_step", "params")
+             "grad_accum", "global_batch_tokens", "sent_gb_per_gpu_per_step", "params", "rate_source", "hardware")
 
 
 def predict_main(args):
     try:
+        measured = read_measurement(args.measured, args.measured_row) if args.measured else None
+        if args.measured_tokens_per_s:
+            measured = dict(tokens_per_s=args.measured_tokens_per_s, gpus=args.measured_gpus,
+                            name="--measured-tokens-per-s")
         out = predict(args.model, args.gpus, args.gpus_per_node, args.hardware, args.strategy, args.batch_size,
                       args.seq_len, args.mfu, args.bucket_mb, args.hfu, args.activation_checkpointing,
                       args.grad_accum, args.attention, args.gpu_mem_gib, args.inter_node_gbps, args.intra_node_gbps,
-                      args.peak_tflops)
+                      args.peak_tflops, bucket_view=args.gradient_as_bucket_view, measured=measured)
     except ValueError as e:  # parse() catches these first; a direct caller of predict() gets the exception
         sys.exit(print(f"error: {e}", file=sys.stderr) or 2)
     if args.json:
@@ -775,9 +998,11 @@ def predict_main(args):
     mem = out["memory_bytes"]
     given = out["utilization"]
     seq = args.seq_len or model_shape(args.model)["ctx"]
+    hw = out["hardware"]
     print(f"{args.model} ({out['params'] / 1e9:.2f}B parameters), {args.strategy}, {args.gpus} GPUs "
-          f"({args.gpus_per_node} per node), {args.hardware}, {args.batch_size} x {seq} tokens a micro-batch, "
+          f"({hw['gpus_per_node']} per node), {args.batch_size} x {seq} tokens a micro-batch, "
           f"{args.grad_accum} a step, checkpointing {args.activation_checkpointing}:")
+    print(f"  hardware {describe_hardware(hw)}")
     print(f"  step {out['step_ms']:.1f} ms, {out['tokens_per_s']:,.0f} tokens/s ({out['tokens_per_s_per_gpu']:,.0f} "
           f"a GPU), scaling efficiency {out['scaling_efficiency']:.2f} (exposed communication "
           f"{out['exposed_comm_ms']:.1f} ms); each GPU sends {out['sent_gb_per_gpu_per_step']:.1f} GB a step")
@@ -785,6 +1010,12 @@ def predict_main(args):
           f"{out['hfu' if given == 'mfu' else 'mfu']:.3f}); {out['flops_per_token'] / 1e9:.2f} GFLOPs a token for the "
           f"model, {out['hardware_flops_per_token'] / 1e9:.2f} computed; MFU of the whole step "
           f"{out['achieved_mfu']:.3f}")
+    if out["rate_source"] == "default":
+        print(f"  HFU {out['hfu']:.1f} is a guess: on the published runs in benchmarks/README.md it predicted "
+              f"{DEFAULT_GUESS[0]:.2f}-{DEFAULT_GUESS[1]:.2f} of their tokens/s; give --mfu, or measure one node "
+              "(--measured-tokens-per-s, --measured)")
+    elif out["rate_source"] != "given":
+        print(f"  the rate: {out['rate_source']}")
     print(f"  memory per GPU {out['memory_gib_per_gpu']:.1f} GiB: " + ", ".join(
         f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in mem.items() if k != "total") +
         f" -> {'fits' if out['fits'] else 'does NOT fit'} in {out['gpu_mem_gib']:g} GiB")
@@ -840,14 +1071,15 @@ def parse(argv=None):
     q = sub.add_parser("predict", help="step time, tokens/s, scaling and memory at scale")
     q.add_argument("--model", required=True, help=f"{'|'.join(MODELS)} or a Hugging Face config.json")
     q.add_argument("--gpus", type=positive(int), required=True)
-    q.add_argument("--gpus-per-node", type=positive(int), default=8)
+    q.add_argument("--gpus-per-node", type=positive(int), default=None, help="default: the profile's")
     q.add_argument("--hardware", choices=list(HARDWARE), default="h100-ib",
-                   help="a named profile: the defaults of the four figures below")
+                   help="a named profile: the defaults of the figures below")
     q.add_argument("--gpu-mem-gib", type=positive(float), default=None, help="each GPU's memory (profile: 80)")
-    q.add_argument("--inter-node-gbps", type=positive(float), default=None,
-                   help="GB/s per node across nodes, each direction: all of a node's NICs (8 x 400 Gb/s = 400)")
-    q.add_argument("--intra-node-gbps", type=positive(float), default=None,
-                   help="GB/s per GPU within a node, each direction (NVLink: 450 on H100, 300 on A100)")
+    q.add_argument("--inter-node-gbps", type=bandwidth, default=None,
+                   help="GB/s per node across nodes, each direction: all of a node's NICs; or with a unit, as NICs "
+                        "are sold: 8x400Gb/s (= 400), 400Gbps (= 50), 50GB/s")
+    q.add_argument("--intra-node-gbps", type=bandwidth, default=None,
+                   help="GB/s per GPU within a node, each direction (NVLink: 450 on H100, 300 on A100, 150 on V100)")
     q.add_argument("--peak-tflops", type=positive(float), default=None, help="each GPU's dense bf16 peak")
     q.add_argument("--strategy", choices=list(STRATEGIES), default="ddp",
                    help="hsdp: FSDP within each node, the shards all-reduced across nodes")
@@ -861,7 +1093,16 @@ def parse(argv=None):
     u.add_argument("--mfu", type=fraction, default=None,
                    help="the compute's rate as model FLOPs over peak (recompute not counted), a published MFU")
     u.add_argument("--hfu", type=fraction, default=None,
-                   help="... or as hardware FLOPs over peak (recompute counted); neither: --hfu 0.4")
+                   help="... or as hardware FLOPs over peak (recompute counted); none of these: --hfu 0.4, a guess")
+    u.add_argument("--measured-tokens-per-s", type=positive(float), default=None,
+                   help="... or this run's tokens/s measured on --measured-gpus GPUs of one node: the rate derived")
+    u.add_argument("--measured", default=None,
+                   help="... or the JSON of benchmarks/gpu_check.sh or benchmarks/ddp_step.py (a GPU run)")
+    q.add_argument("--measured-gpus", type=positive(int), default=1, help="the GPUs --measured-tokens-per-s ran on")
+    q.add_argument("--measured-row", default=None,
+                   help="the row of --measured (gpu_check's name, ddp_step's impl); default the fastest with DDP")
+    q.add_argument("--gradient-as-bucket-view", action="store_true",
+                   help="PyTorch DDP's flag: gradients live in the buckets, no second copy of them")
     q.add_argument("--bucket-mb", type=positive(float), default=None, help="DDP/ZeRO buckets; default: the best")
     q.add_argument("--json", action="store_true")
     k = sub.add_parser("check", help="predictions against measurements here (under torchrun)")
@@ -884,8 +1125,13 @@ def parse(argv=None):
             model_shape(a.model)
         except ValueError as e:
             p.error(str(e))
-        if a.gpus % a.gpus_per_node and a.gpus > a.gpus_per_node:
-            p.error(f"--gpus {a.gpus} is not a multiple of --gpus-per-node {a.gpus_per_node}")
+        per_node = a.gpus_per_node or HARDWARE[a.hardware]["gpus_per_node"]
+        if a.gpus % per_node and a.gpus > per_node:
+            p.error(f"--gpus {a.gpus} is not a multiple of --gpus-per-node {per_node}")
+        if a.measured and not os.path.isfile(a.measured):
+            p.error(f"--measured {a.measured}: no such file")
+        if a.measured_row and not a.measured:
+            p.error("--measured-row: a row of --measured, which is not given")
         if a.bucket_mb and a.strategy in ("fsdp", "hsdp"):
             p.error(f"--bucket-mb: {a.strategy} communicates a unit (a layer) at a time, not in buckets")
     if a.command == "collective" and a.calibration and not os.path.isfile(a.calibration):
