@@ -192,18 +192,32 @@ def hang_line(shown, records, hangs, hang_s, name=None):
             places.append(f"rank {k} said nothing (killed)")
     line = (f"HANG {shown}: no progress for {hang_s:g} s" + (f" in {label}" if label else "") + ": "
             + "; ".join(places))
-    calls = {k: h["call"] for k, h in enumerate(hangs) if h and h.get("where") and h.get("call")}
-    unmatched = mismatched_pairs(calls, hangs)
-    differ = differing_collectives(hangs)
-    if unmatched:
-        line += ". The pairs do not match: " + "; ".join(unmatched)
-    elif differ:
-        line += ". " + differ
-    codes = [h["where"]["code"] for h in hangs if h and h.get("where")]
+    said, hint = diagnosis(hangs, name)
+    if said:
+        line += ". " + said
     if len(hangs) == 1:  # one process: no peer to wait for
         where = hangs[0].get("where") if hangs[0] else None
         line = (f"HANG {shown}: no progress for {hang_s:g} s" + (f" in {label}" if label else "")
                 + (f": still running at {place(where)}" if where else ""))
+    return f"{line}\n  hint: {hint} (only slow, not stuck? --hang-s gives each call more time)"
+
+
+def diagnosis(hangs, name=None):
+    """What the ranks' waits say together, and the usual cause: (a sentence, or "" when the waits say nothing more,
+    and a hint). `hangs`: per rank, where it waited (grading.hang_record) or None. The notebooks' GroupError says
+    the same (notebooks/ranks.py's check)."""
+    calls = {k: h["call"] for k, h in enumerate(hangs) if h and h.get("where") and h.get("call")}
+    unmatched = mismatched_pairs(calls, hangs)
+    differ = differing_collectives(hangs)
+    said = ""
+    if unmatched:
+        said = "The pairs do not match: " + "; ".join(unmatched)
+    elif differ:
+        said = differ
+    elif len(calls) > 1 and all(c["kind"] == "send" for c in calls.values()):
+        said = "Every rank waits in a send and none in a receive, so no message can be taken"
+    codes = [h["where"]["code"] for h in hangs if h and h.get("where")]
+    if len(hangs) == 1:
         hint = "a loop that never ends? check its exit condition"
     elif name == "tree_broadcast" and unmatched:
         hint = ("in round k (step = 2**k), vrank v < step sends to v + step and vrank step <= v < 2 * step receives "
@@ -225,7 +239,7 @@ def hang_line(shown, records, hangs, hang_s, name=None):
     else:
         hint = ("the ranks wait for messages that never come: every send needs a receive on its peer, and every "
                 "rank must call the same collectives in the same order")
-    return f"{line}\n  hint: {hint} (only slow, not stuck? --hang-s gives each call more time)"
+    return said, hint
 
 
 def mismatched_pairs(calls, hangs):

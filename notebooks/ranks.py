@@ -14,8 +14,8 @@ numbered script, so a notebook runs the scripts' own code, never a copy; `ranks.
 of it, taken from the module rank 0 has loaded.
 
 A mistake costs one cell. When a `%%px` cell's collective times out, or a rank fails while the others wait for it,
-the cell ends with one short error (GroupError) naming who waited where; the group cannot be used again, and
-`ranks.reset()` replaces it with a fresh one of the same size in a few seconds (the kernel and its variables
+the cell ends with one short error (GroupError) naming who waited where; the group cannot be used again (every
+later cell says so at once), and `ranks.reset()` replaces it with a fresh one of the same size in a few seconds (the kernel and its variables
 stay; the ranks' variables are lost). Stop (interrupt) interrupts the ranks; one stuck inside a collective cannot
 be interrupted, and the cell then says to reset. `ranks.check(name)` grades the reader's "Your turn" cell on
 every rank with exercises/grading.py, the checker behind exercises/check.py.
@@ -192,11 +192,11 @@ def _take_over_px(shell):
     if shell is None or "ParallelMagics" not in shell.magics_manager.registry:
         return  # no IPython, or the client never came up: no %%px to take over
     magics = shell.magics_manager.registry["ParallelMagics"]
-    import ipyparallel as ipp
-    if ipp._NONINTERACTIVE:  # IPP_NONINTERACTIVE=1 (run.py): no progress bars
-        magics.progress_after_seconds = -1
-    # Outputs in rank order once the cell is done (a progress bar while it runs), as run.py's: a rank's error is
-    # then shown once, by the cell's error (its traceback, or one GroupError line), not streamed above it too.
+    # No progress bar: run headless (nbclient, nbconvert), every redraw of one stays in the saved cell as a line of
+    # text; the cell's busy marker says as much.
+    magics.progress_after_seconds = -1
+    # Outputs in rank order once the cell is done, as run.py's: a rank's error is then shown once, by the cell's
+    # error (its traceback, or one GroupError line), not streamed above it too.
     magics.stream_output = False
     magics.signal_on_interrupt = None  # ipyparallel would signal through the nanny, which these engines lack
     for kind in ("cell", "line"):
@@ -245,6 +245,9 @@ def _ready():
             busy.get()
         except Exception as e:
             _explain(e)
+    if _state.get("broken"):  # gloo's pairs are out of step: a collective would fail, or wait the whole timeout
+        raise GroupError(f"the group broke in an earlier cell ({_state['broken']}) and cannot be used again. Run "
+                         "rc = ranks.reset() for a fresh group, then the cells this one needs.")
 
 
 def _interrupted(result, grace_s=1):
@@ -287,10 +290,6 @@ def _explain(error, targets=None):
             failed[k] = (int(died.group(1)), ename, evalue, tb)
     broke = [(r, "died" if ename == "EngineError" else _collective(tb), evalue) for r, ename, evalue, tb in failed
              if ename == "EngineError" or _is_dist(ename, evalue, tb)]
-    earlier = _state.get("broken")
-    if earlier is not None:  # every later cell that communicates fails too, often with misleading words
-        return (f"{_failures(failed)}: the group broke in an earlier cell ({earlier}) and cannot be used again. "
-                "Run ranks.reset() for a fresh group.")
     if not broke:
         return None
     n = _state["args"][0]
@@ -331,7 +330,8 @@ def _failures(failed):
 
 def _first_line(text):
     lines = _plain(str(text or "")).strip().splitlines()
-    return re.sub(r"^\[[^\]]*\] ", "", lines[0])[:120] if lines else ""  # gloo's "[/path/file.cc:78] " goes
+    line = re.sub(r"^\[[^\]]*\] ", "", lines[0]) if lines else ""  # gloo's "[/path/file.cc:78] " goes
+    return line if len(line) <= 120 else line[:117].rsplit(" ", 1)[0] + " ..."
 
 
 def _plain(text):
@@ -345,9 +345,9 @@ def _ranks(ranks):
 
 # --- "Your turn": the reader's code, graded on every rank by exercises/grading.py ---
 CHECKS = {  # exercise: the name the reader's cell defines, and how to see a solution
-    "ring_all_reduce": ("ring_all_reduce", "03_all_reduce.py's ring_all_reduce, shown above"),
-    "ddp_naive": ("average_gradients", "05_manual_ddp_gpt2.py's average_gradients, shown above"),
-    "zero1": ("ZeroDDP", "07_zero.py's ZeroDDP, whose step is shown above"),
+    "ring_all_reduce": ("ring_all_reduce", "03_all_reduce.py's ring_all_reduce, shown in the next cell"),
+    "ddp_naive": ("average_gradients", "05_manual_ddp_gpt2.py's average_gradients, shown in the next cell"),
+    "zero1": ("ZeroDDP", "07_zero.py's ZeroDDP, whose step is shown in the next cell"),
 }
 
 
@@ -370,11 +370,15 @@ def check(name):
     see = (f"To see a solution: {solution}; or run `python exercises/check.py {name} --solution` in a terminal, "
            f"and read the file it grades.")
     kinds = {v[0] for v in verdicts}
-    if "broken" in kinds:  # a rank failed or waited in a collective the others never joined
-        what = "; ".join(f"rank {r} {v[1]}" for r, v in enumerate(verdicts) if v[0] == "broken")
-        _state["broken"] = what
-        raise GroupError(f"your {defined} left the ranks out of step: {what}. The group cannot be used again: run "
-                         f"rc = ranks.reset(), then the cell that defines {defined}, then this one.")
+    if "broken" in kinds:  # a rank failed or waited in a message or collective the others never joined
+        stuck = [r for r, v in enumerate(verdicts) if v[0] == "broken"]
+        what = "; ".join(f"rank {r} {verdicts[r][1]}" for r in stuck)
+        # who waits for whom, whether the pairs match, the usual cause: check.py's own analysis of a hang
+        said, hint = _checker().diagnosis([v[2] if v[0] == "broken" else None for v in verdicts], name)
+        _state["broken"] = f"the check of your {defined}, where {_ranks(stuck)} got stuck"
+        raise GroupError(f"your {defined} left the ranks out of step: {what}." + (f" {said}." if said else "")
+                         + f"\n  hint: {hint}.\nThe group cannot be used again: run rc = ranks.reset(), then the "
+                         f"cell that defines {defined}, then this one.")
     if kinds == {"pass"}:
         print(f"passed on {len(verdicts)} ranks: " + "\n".join(verdicts[0][1]))
     elif kinds == {"not written"}:
@@ -414,12 +418,29 @@ def _grade(name, defined, timeout_s):  # runs in every rank
             return ("not written", "")
         return ("error", f"raised NotImplementedError: {e}")
     except Exception as e:
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if _in_cell(f.filename)]
+        tb = traceback.extract_tb(e.__traceback__)
+        frames = [f for f in tb if _in_cell(f.filename)]
         where = f" (line {frames[-1].lineno} of your cell: `{frames[-1].line}`)" if frames else ""
         if _is_dist(type(e).__name__, str(e), ""):
-            said = "timed out" if "imed out" in str(e) else f"failed ({_first_line(e)})"
-            return ("broken", said + (where or " in the check, waiting for the other ranks' verdict"))
+            # timed out, or lost its peer (who timed out first and closed the connection): the same hang
+            stuck = any(w in str(e) for w in ("imed out", "Connection closed", "Connection reset"))
+            said = "got stuck" if stuck else f"failed ({_first_line(e)})"
+            if frames:  # where it waited, as check.py's watchdog records it
+                hang = grading.hang_record({"file": "your cell", "line": frames[-1].lineno, "function":
+                                            frames[-1].name, "code": frames[-1].line}, None)
+            else:
+                hang = grading.hang_record(None, grading._checker_frame(tb))
+            call = f", {hang['call']['text']}" if hang["call"] else ""
+            return ("broken", said + (where + call or " in the check, waiting for the other ranks' verdict"), hang)
         return ("error", f"raised {type(e).__name__}: {e}{where}")
+
+
+def _checker():
+    """exercises/check.py, imported in the kernel (it needs no torch there)."""
+    if str(REPO / "exercises") not in sys.path:
+        sys.path.insert(0, str(REPO / "exercises"))
+    import check
+    return check
 
 
 def _in_cell(filename):

@@ -23,9 +23,9 @@ HERE = Path(__file__).resolve().parent
 def execute(path, ranks, timeout=600):
     """Execute the notebook at `path` on `ranks` ranks; returns the executed notebook (raises on a failed cell)."""
     nb = nbformat.read(path, as_version=4)
-    # The kernel's environment (this process's own stays as it was): the ranks for the first cell, and %%px shows
-    # each cell's outputs in rank order once it is done, with no progress bars (IPP_NONINTERACTIVE).
-    env = dict(os.environ, NOTEBOOK_RANKS=str(ranks), IPP_NONINTERACTIVE="1")
+    # The kernel's environment (this process's own stays as it was): the ranks for the first cell. Nothing else: a
+    # reader's own headless run (nbconvert --execute) saves the same outputs, without progress bars (ranks.py).
+    env = dict(os.environ, NOTEBOOK_RANKS=str(ranks))
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(HERE)}})
     client.execute(env=env)
     return nb

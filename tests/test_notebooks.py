@@ -149,9 +149,6 @@ def test_a_broken_group_is_told_in_one_line_naming_who_waited_where(monkeypatch)
     assert said.startswith("rank 0 timed out in dist.all_reduce; ranks 1, 2 did not run the cell"), said
     ranks._state["broken"] = None
     assert ranks._explain(error.CompositeError("", [disagrees])) is None  # the rank's own error speaks
-    ranks._state["broken"] = "rank 0 timed out in dist.all_reduce"
-    said = ranks._explain(error.CompositeError("", [disagrees]))
-    assert "the group broke in an earlier cell (rank 0 timed out in dist.all_reduce)" in said, said
 
 
 # --- top to bottom, headless ---
@@ -190,6 +187,7 @@ def test_notebook_runs_top_to_bottom_on_2_and_3_ranks(name, tmp_path):
         left = reap(root / "ipython")
         assert not res.timed_out and res.returncode == 0, f"{ranks} ranks\n{res.output[-6000:]}"
         assert f"{ranks} ranks joined one group" in res.output, res.output[-6000:]
+        assert "%px:" not in res.output, "a progress bar in the saved outputs"  # tqdm's "%px:  50%|#####  | 1/2"
         assert all(f"[stdout:{r}]" in res.output for r in range(ranks)), "every rank's output appears under its cell"
         assert "not written yet" in res.output, res.output[-3000:]
         gone = re.search(r"rank processes left ([\d.]+) s after the kernel's shutdown: \[\]", res.output)
@@ -273,6 +271,7 @@ def test_a_readers_sitting_costs_one_cell_per_mistake_and_a_killed_kernel_leaves
         # Stop while every rank runs Python: they stop, and the group goes on.
         error, said, took = me.run("%%px\nimport time\ntime.sleep(60)", interrupt_after=3)
         assert error is not None and "interrupted ranks 0, 1" in said and took < 10, said
+        assert "%px:" not in said, said  # no progress bar (it would start after 2 s) in a headless kernel's output
         error, said, _ = me.run("%%px\nimport torch, torch.distributed as dist\nx = torch.ones(1)\n"
                                 "dist.all_reduce(x)\nprint(f'sum {x.item():g}')")
         assert error is None and said.count("sum 2") == 2, said
@@ -304,13 +303,34 @@ def test_a_readers_sitting_costs_one_cell_per_mistake_and_a_killed_kernel_leaves
                                 "print(rc[:].apply_sync(joined))")
         assert error is None and "[0, 1]" in said, said
 
-        # A "Your turn" answer that leaves a rank waiting: the check ends in bounded time and says where.
-        hangs = "%%px\nimport torch.distributed as dist\n\n\ndef ring_all_reduce(tensor):\n    if RANK == 0:\n" \
-                "        dist.irecv(tensor, 1).wait()\n    return tensor"
-        assert me.run(hangs)[0] is None
-        error, said, took = me.run(your_turn(NOTEBOOKS[0])[1])
+        # A "Your turn" ring whose ranks all send first, blocking: the check ends in bounded time and says what
+        # check.py says of it (each rank's line and partner, the pairs, the hint). The next collective cell
+        # refuses at once, in one line. Then, as the error says: reset, the cell that defines ring_all_reduce (the
+        # stub's imports and a right answer that uses torch), the check: passed.
+        stub, check = your_turn(NOTEBOOKS[0])
+        imports = stub[:stub.index("\n\n\ndef ")]
+        answer = (SOLUTIONS / RIGHT[NOTEBOOKS[0]]).read_text()
+        answer = imports + answer[answer.index("\n\n\ndef "):].replace("recv.clone()", "torch.empty_like(recv)")
+        blocking = answer.replace("reqs = [dist.isend(send, right), dist.irecv(inbox, left)]",
+                                  "dist.send(send, right)\n        dist.recv(inbox, left)\n        reqs = []")
+        line = next(n for n, text in enumerate(blocking.splitlines()[1:], 1) if "dist.send(" in text)
+        assert me.run(blocking)[0] is None
+        error, said, took = me.run(check)
         assert error is not None and error.ename == "GroupError" and took < 30, (took, said)
-        assert "rank 0 timed out (line 6 of your cell: `dist.irecv(tensor, 1).wait()`)" in said, said
+        for r in range(2):
+            assert (f"rank {r} got stuck (line {line} of your cell: `dist.send(send, right)`), sending 4 elements to "
+                    f"rank {1 - r}") in said, said
+        assert "Every rank waits in a send and none in a receive" in said and "dist.irecv" in said, said
+        assert "run rc = ranks.reset(), then the cell that defines ring_all_reduce, then this one" in said, said
+        error, said, took = me.run("%%px\ndist.all_reduce(torch.ones(1))")
+        assert error is not None and error.ename == "GroupError" and took < 1, (took, said)
+        assert len(error.traceback) == 1 and "\n" not in error.evalue, error.traceback  # one line
+        assert error.evalue.startswith("the group broke in an earlier cell (the check of your ring_all_reduce, "
+                                       "where ranks 0, 1 got stuck)"), error.evalue
+        assert me.run("rc = ranks.reset()")[0] is None
+        assert me.run(answer)[0] is None
+        error, said, _ = me.run(check)
+        assert error is None and "passed on 2 ranks" in said, said
 
         # The kernel killed: its ranks, cluster files and profile go with it.
         assert rank_processes(tmp_path / "ipython"), "the ranks should be running now"
