@@ -630,13 +630,16 @@ def test_v100_profiles_the_figures_printed_and_network_units():
     line = next(x for x in res.output.splitlines() if x.strip().startswith("hardware"))
     assert "a100-ib with your figures" in line and "50 GB/s a node across nodes (yours)" in line, line
     assert "40 GiB (yours)" in line and "312 TFLOPS peak" in line and "312 TFLOPS peak (yours)" not in line, line
-    same = [predict("--model", "gpt2", "--gpus", 16, "--hardware", "a100-ib", "--inter-node-gbps", v)
-            for v in ("50", "50GB/s", "400Gbps", "400 gb/s", "8x50Gb/s", "400Gbit/s")]
-    assert all(s["step_ms"] == same[0]["step_ms"] and s["hardware"]["inter_busbw"] == 50 for s in same), same
-    assert cm.bandwidth("8x400Gb/s") == 400 and cm.bandwidth("100GbE".replace("E", "ps")) == 12.5
+    assert all(cm.bandwidth(v) == 50 for v in ("50", "50GB/s", "400Gbps", "400 gb/s", "8x50Gb/s", "400Gbit/s"))
+    assert cm.bandwidth("8x400Gb/s") == 400 and cm.bandwidth("100Gbps") == 12.5
+    bits, number = (predict("--model", "gpt2", "--gpus", 16, "--hardware", "a100-ib", "--inter-node-gbps", v)
+                    for v in ("400Gbps", "50"))
+    assert bits == number and bits["hardware"]["inter_busbw"] == 50
     for bad in ("400Mbps", "fast", "0Gbps", "8x"):
-        res = cli("predict", "--model", "gpt2", "--gpus", 16, "--inter-node-gbps", bad)
-        assert res.returncode == 2 and res.output.strip().startswith("error: "), (bad, res.output)
+        with pytest.raises(cm.argparse.ArgumentTypeError):
+            cm.bandwidth(bad)
+    res = cli("predict", "--model", "gpt2", "--gpus", 16, "--inter-node-gbps", "400Mbps")
+    assert res.returncode == 2 and res.output.strip().startswith("error: ") and "Mbps" in res.output, res.output
 
 
 def test_the_rate_from_a_measured_run(tmp_path):
@@ -686,9 +689,13 @@ def test_the_rate_from_a_measured_run(tmp_path):
     # what cannot be a measurement of a GPU: one error line each
     path3 = tmp_path / "cpu.json"
     path3.write_text(json.dumps(dict(ddp_step, device="cpu")))
+    for bad in (lambda: cm.read_measurement(str(path), "nope"), lambda: cm.predict("gpt2", 64, measured=dict(
+            tokens_per_s=1e12, gpus=1, name="x")), lambda: cm.predict("gpt2", 64, measured=dict(
+            tokens_per_s=1e5, gpus=16, name="x"))):  # an unknown row, faster than the peak, more than a node
+        with pytest.raises(ValueError):
+            bad()
     for args in (["--measured", path3], ["--measured", path, "--mfu", 0.4], ["--measured-row", "x"],
-                 ["--measured", path, "--measured-row", "nope"], ["--measured-tokens-per-s", 1e12],
-                 ["--measured-tokens-per-s", 1e5, "--measured-gpus", 16], ["--measured", tmp_path / "no.json"]):
+                 ["--measured", tmp_path / "no.json"]):
         res = cli("predict", "--model", "gpt2", "--gpus", 64, *args)
         lines = res.output.strip().splitlines()
         assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (args, res.output)
