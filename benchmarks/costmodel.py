@@ -22,14 +22,15 @@ it: the next all-gather before this unit's reduce-scatter), reduce-scatter each 
 backward. HSDP: FSDP within a node, each unit's shard all-reduced across nodes. Gradient accumulation: DDP and
 ZeRO-1 communicate once a step (no_sync), ZeRO-2 and FSDP reduce-scatter (FSDP re-gathers) every micro-batch,
 HSDP all-reduces across nodes once a step.
-Memory per rank: parameters, gradients, optimizer state (sharded as the strategy shards them), buckets, FSDP's
-gathered units, activations (with none, selective or full activation checkpointing).
+Memory per rank: parameters, gradients, optimizer state (sharded as the strategy shards them), buckets (PyTorch
+DDP's: a second copy of the gradients unless --gradient-as-bucket-view), FSDP's gathered units, activations (with
+none, selective or full activation checkpointing).
 
   torchrun --nproc_per_node=2 benchmarks/costmodel.py fit --out calibration.json
   python benchmarks/costmodel.py collective all_reduce --bytes 67108864 --ranks 2 --calibration calibration.json --json
   python benchmarks/costmodel.py predict --model llama-7b --gpus 64 --gpus-per-node 8 --hardware h100-ib \\
-      --strategy fsdp [--inter-node-gbps 50 --gpu-mem-gib 40 --activation-checkpointing full --grad-accum 4 \\
-      --mfu 0.5] [--json]
+      --strategy fsdp [--inter-node-gbps 8x50Gb/s --gpu-mem-gib 40 --activation-checkpointing full --grad-accum 4 \\
+      --mfu 0.5 | --measured gpu_check.json | --measured-tokens-per-s 150000 --measured-gpus 8] [--json]
   torchrun --nproc_per_node=2 benchmarks/costmodel.py check [--json check.json]   (predictions vs measurements)
   python benchmarks/costmodel.py zero-table       (the ZeRO paper's Table 1, predicted)
 
@@ -569,7 +570,8 @@ def rate_from_measurement(m, measured, run):
     per_gpu = measured["tokens_per_s"] / gpus
     layer, outer = layer_params(m)
     params = m["layers"] * layer + outer
-    same = measured.get("n_params") is None or abs(measured["n_params"] / params - 1) < 0.01
+    same = (measured.get("n_params") is None or abs(measured["n_params"] / params - 1) < 0.01) \
+        and measured.get("n_layer") in (None, m["layers"]) and measured.get("n_embd") in (None, m["d"])
     hw = hardware_figures(run["hardware"], run["gpu_mem_gib"], run["inter_node_gbps"], run["intra_node_gbps"],
                           run["peak_tflops"], run["gpus_per_node"])
     peak = measured.get("peak_tflops") or hw["peak_tflops"]
@@ -588,12 +590,13 @@ def rate_from_measurement(m, measured, run):
             raise ValueError(f"--measured {measured['name']}: an MFU of {hfu:.3f} at {peak:g} TFLOPS peak")
         return hfu, f"MFU {hfu:.3f} measured ({measured['name']}, {measured['n_params']:,} parameters) and carried over"
     kw = dict(run, seq=measured.get("seq_len") or run["seq"], batch=measured.get("batch_size") or run["batch"])
-    if gpus < 2 or measured.get("impl") == "none":
-        kw["strategy"] = "ddp"  # no communication to take out: one GPU, or each rank alone
+    if measured.get("impl") is not None:
+        kw["strategy"] = "ddp"  # gpu_check's and ddp_step's rows run DDP, or each rank alone ("none")
+    alone = 1 if measured.get("impl") == "none" else gpus  # "none": no communication to take out
     kw.update(gpus_per_node=hw["gpus_per_node"], peak_tflops=peak)  # the rate is a fraction of the measured GPU's peak
 
     def rate(x):
-        return predict(m, gpus, hfu=x, **kw)["tokens_per_s_per_gpu"]
+        return predict(m, alone, hfu=x, **kw)["tokens_per_s_per_gpu"]
     lo, hi = 1e-6, 1.0
     if rate(hi) < per_gpu:
         raise ValueError(f"measured {measured['tokens_per_s']:,.0f} tokens/s on {gpus} GPUs: more than this model "
