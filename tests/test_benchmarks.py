@@ -95,3 +95,19 @@ def test_fsdp_memory_benchmark(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert sorted(r["impl"] for r in rows) == ["fully_shard", "ours"]
     assert all(r["peak_mib"] > r["base_mib"] > 0 and r["ms"] > 0 for r in rows), rows
+
+
+def test_gpu_check_without_cuda_is_one_line_and_runs_nothing(tmp_path, script):
+    """benchmarks/gpu_check.sh with CUDA hidden (so the test means the same on a GPU machine): one line, exit 2,
+    nothing written; a bad flag is one `error:` line. The GPU names torch reports map to their peaks."""
+    out = tmp_path / "gc"
+    for flags, first in (([], "gpu_check: no CUDA GPU here"), (["--peak-tflops", "0"], "error: --peak-tflops")):
+        res = launch.run(["bash", "benchmarks/gpu_check.sh", "--out", out, *flags], timeout=120,
+                         env=launch.make_env(CUDA_VISIBLE_DEVICES=""))
+        lines = res.output.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith(first), res.output
+        assert not out.exists()
+    gpu_check = script("benchmarks/gpu_check.py")
+    names = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA L4")
+    assert [gpu_check.peak_for(name, None) for name in names] == [989, 989, 312, None]
+    assert gpu_check.peak_for("NVIDIA L4", 121.0) == 121.0  # --peak-tflops wins
