@@ -27,6 +27,8 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -303,6 +305,9 @@ def flight_recorder(dump_dir, hang_s=60.0):
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(os.path.abspath(dump_dir), "rank_")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    _RUN["started"] = time.time()
+    if dist.is_initialized():
+        _run_id()  # now, while every rank can still reach the store
     done = threading.Event()
     watchdog = threading.Thread(target=_watch, args=(dump_dir, hang_s, done), daemon=True)
     watchdog.start()  # a thread: the main thread may be blocked in C++, but gloo and NCCL waits release the GIL
@@ -351,21 +356,87 @@ def _dump(dump_dir, why):
     import torch.distributed as dist
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     path = os.path.join(dump_dir, f"rank_{rank}")
+    trace = _trace()
+    # Which run wrote it: a folder reused by a later run (fewer ranks, a rerun) keeps the older run's files.
+    trace["debug_tools"] = {"run": _run_id(), "world_size": dist.get_world_size() if dist.is_initialized() else None,
+                            "started": _RUN.get("started"), "written": time.time()}
     with open(path + ".part", "wb") as f:  # then renamed: the analyser never reads half a file
-        pickle.dump(_trace(), f)
+        pickle.dump(trace, f)
     os.replace(path + ".part", path)
     print(f"[flight_recorder] rank {rank}: wrote {path} ({why}); read it: python debug_tools.py fr {dump_dir}",
           file=sys.stderr, flush=True)
 
 
-def read_records(dump_dir):
-    """{rank: record} from the rank_<R> files in dump_dir (ours, or NCCL's own with TORCH_FR_DUMP_TEMP_FILE)."""
-    records = {}
-    for f in os.listdir(dump_dir):
-        if m := re.fullmatch(r".*?(\d+)", f):
+_RUN = {}
+
+
+def _run_id():
+    """One id for every rank of this run: the first rank to ask puts its own in the job's store (the one
+    init_process_group made), the others read it there. Without a store, this process's own (a run of one)."""
+    if "id" not in _RUN:
+        import torch.distributed as dist
+        mine = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        try:
+            store = dist.distributed_c10d._get_default_store()  # private, like _dump_fr_trace: in this file only
+            _RUN["id"] = store.compare_set("debug_tools/flight_recorder/run", "", mine).decode()
+        except Exception:
+            _RUN["id"] = mine
+    return _RUN["id"]
+
+
+def read_records(dump_dir, run=None):
+    """({rank: record} of one run, the lines saying which run that is and which files were skipped) from the rank_<R>
+    files in dump_dir: the newest run's, or run's. A record that names no run (NCCL's own dump, written by its
+    watchdog under TORCH_FR_DUMP_TEMP_FILE) is read with the run when it was written after that run started."""
+    runs, unnamed, skipped = {}, {}, []
+    for f in sorted(os.listdir(dump_dir)):
+        if not (m := re.fullmatch(r".*?(\d+)", f)):
+            continue
+        try:
             with open(os.path.join(dump_dir, f), "rb") as fh:
-                records[int(m.group(1))] = pickle.load(fh)
-    return dict(sorted(records.items()))
+                record = pickle.load(fh)
+            ours = record.get("debug_tools")
+        except Exception as e:
+            skipped.append(f"{f} (not a record: {type(e).__name__})")
+            continue
+        if ours:
+            runs.setdefault(ours["run"], {})[int(m.group(1))] = (f, record)
+        else:
+            unnamed[int(m.group(1))] = (f, record)
+    if not runs:  # NCCL's own dumps only, or records from before runs were named: all of them
+        return ({r: rec for r, (_, rec) in sorted(unnamed.items())},
+                [f"read {len(unnamed)} record(s) that name no run (NCCL's own dumps, or an older debug_tools): if this "
+                 "folder held an earlier run, its files are mixed in"] + ([f"skipped: {', '.join(skipped)}"]
+                                                                           if skipped else []))
+
+    def info(r):
+        return next(iter(runs[r].values()))[1]["debug_tools"]
+
+    def written(r):
+        return max(rec["debug_tools"]["written"] for _, rec in runs[r].values())
+
+    def when(r):
+        return time.strftime("%H:%M:%S", time.localtime(written(r)))
+    if run is not None and run not in runs:
+        return {}, [f"no run {run} in {dump_dir}: " + ", ".join(runs)]
+    chosen = run if run is not None else max(runs, key=written)
+    records = {r: rec for r, (_, rec) in runs[chosen].items()}
+    world, started = info(chosen)["world_size"], info(chosen)["started"] or 0
+    for r, (f, rec) in unnamed.items():
+        newest = max((e["time_created_ns"] for e in rec.get("entries", [])), default=0) / 1e9
+        if r not in records and (world is None or r < world) and newest >= started:
+            records[r] = rec
+        else:
+            skipped.append(f"{f} (names no run; older than this run, or a rank it does not have)")
+    for other in runs:
+        if other != chosen:
+            skipped.append(f"{', '.join(f for f, _ in runs[other].values())} (run {other}, "
+                           f"{info(other)['world_size']} ranks, written {when(other)})")
+    head = [f"read run {chosen} ({world} ranks, written {when(chosen)}): "
+            f"{', '.join(f'rank_{r}' for r in sorted(records))}"
+            + (f"; missing: {', '.join(f'rank_{r}' for r in range(world) if r not in records)}"
+               if world and len(records) < world else "")]
+    return dict(sorted(records.items())), head + ([f"skipped: {'; '.join(skipped)}"] if skipped else [])
 
 
 LIBRARY = re.compile(r"site-packages|dist-packages|/lib/python3|^<")  # torch and the standard library, not yours
@@ -410,35 +481,80 @@ def call(entry):
 
 
 # --- hangs: every rank's stack ---
-def rank_processes(pid):
-    """{rank: pid} of the job that `pid` belongs to, on this machine: the agent's workers (torchrun), or the
-    processes started beside `pid` with the same MASTER_PORT. RANK is read from each /proc/PID/environ."""
+MP_CHILD = re.compile(r"multiprocessing\.(spawn|forkserver) import|--multiprocessing-fork")  # its children's cmdline
+
+
+def find_job(pid):
+    """The processes of the job `pid` belongs to, on this machine: (ranks: {pid: its RANK, or None where its
+    environment has none or one shared by several processes}, workers: {pid: its rank's pid} for the ranks' own
+    child processes (DataLoader workers)). `pid` may be torchrun's agent, mp.spawn's parent, a rank or a worker.
+    Empty where no rank is found: then `pid` is no training process, or one whose job cannot be seen from here."""
     env = _environ(pid)
-    root = _ppid(pid) if "RANK" in env else pid
-    port = env.get("MASTER_PORT") if "RANK" in env else None  # a rank's siblings: the same job, not another one
-    tree, found, todo = _children(), {}, [root]
-    while todo:  # breadth first: a rank before its own children (DataLoader workers inherit RANK)
+    if "RANK" in env:  # torchrun's worker, or a process started with RANK set; or a child that inherited it
+        rank_pid, port = pid, env.get("MASTER_PORT")
+        while "RANK" in _environ(_ppid(rank_pid)) and _environ(_ppid(rank_pid)).get("MASTER_PORT") == port:
+            rank_pid = _ppid(rank_pid)  # a DataLoader worker inherits its rank's environment: climb to the rank
+
+        def is_rank(p):
+            return "RANK" in _environ(p) and _environ(p).get("MASTER_PORT") == port  # the same job, not another
+        root = _ppid(rank_pid)
+    elif MP_CHILD.search(_cmdline(pid)):  # started by multiprocessing (spawn): a rank of mp.spawn, or its worker
+        rank_pid = pid
+        while MP_CHILD.search(_cmdline(_ppid(rank_pid))):
+            rank_pid = _ppid(rank_pid)
+
+        def is_rank(p):  # its children that run torch: not the resource tracker
+            return bool(MP_CHILD.search(_cmdline(p))) and _runs_torch(p)
+        root = _ppid(rank_pid)
+    else:  # a launcher: torchrun's agent, mp.spawn's parent, a shell
+
+        def is_rank(p):
+            return "RANK" in _environ(p) or bool(MP_CHILD.search(_cmdline(p))) and _runs_torch(p)
+        root = pid
+    tree, ranks, workers, todo = _children(), [], {}, list(_children().get(root, []))
+    while todo:  # breadth first; everything under a rank is that rank's (DataLoader workers, compile workers)
         p = todo.pop(0)
-        todo += tree.get(p, [])
-        e = _environ(p)
-        if "RANK" in e and port in (None, e.get("MASTER_PORT")) and _ppid(p) not in found.values():
-            found.setdefault(int(e["RANK"]), p)
-    return dict(sorted(found.items())) or ({int(env.get("RANK", 0)): pid} if env else {})
+        if is_rank(p):
+            ranks.append(p)
+            under = list(tree.get(p, []))
+            while under:
+                workers[under[0]] = p
+                under += tree.get(under.pop(0), [])
+        else:
+            todo += tree.get(p, [])
+    labels = [_environ(p).get("RANK") for p in ranks]
+    return {p: int(r) if r is not None and labels.count(r) == 1 else None for p, r in zip(ranks, labels)}, workers
 
 
-def _environ(pid):
+def _environ(pid):  # the environment the process started with (what os.environ set later is not in it)
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             return dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
-    except OSError:
+    except (OSError, TypeError):
         return {}
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").replace("\0", " ").strip()
+    except (OSError, TypeError):
+        return ""
+
+
+def _runs_torch(pid):
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+    except OSError:
+        return True  # not ours to read: let py-spy say
 
 
 def _ppid(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
+    except (OSError, IndexError, ValueError, TypeError):
         return None
 
 
@@ -450,6 +566,18 @@ def _children():
     return tree
 
 
+def find_py_spy():
+    """py-spy on PATH, else beside this Python (a virtual environment not activated), else in its user scripts."""
+    places = [os.path.dirname(sys.executable), sysconfig.get_path("scripts"),
+              sysconfig.get_path("scripts", f"{os.name}_user")]
+    found = [os.path.join(d, "py-spy") for d in places if d and os.access(os.path.join(d, "py-spy"), os.X_OK)]
+    return shutil.which("py-spy") or (found[0] if found else None)
+
+
+NO_PY_SPY = ("py-spy not found (not on PATH, nor beside {python}): pip install py-spy. Without it: a job started "
+             "with PYTHONFAULTHANDLER=1 prints a rank's Python stack to its stderr on `kill -ABRT PID`, which ends "
+             "that rank; faulthandler.register(signal.SIGUSR1, all_threads=True) in your script prints it on `kill "
+             "-USR1 PID`, and the rank goes on")
 NATIVE_WAIT = re.compile(r" *(c10d::|gloo::|nccl|torch::distributed::)")  # a C++ frame of PyTorch's communication
 PTRACE_HELP = ("py-spy reads another process's memory, which needs ptrace permission: run it as root (sudo), or allow "
                "it (sudo sysctl kernel.yama.ptrace_scope=0); in a container start it with --cap-add SYS_PTRACE "
@@ -458,29 +586,50 @@ PTRACE_HELP = ("py-spy reads another process's memory, which needs ptrace permis
 
 def stacks(pid, native=False):
     """Every rank's stack (py-spy dump, all ranks at once), labelled by rank, then one line per rank: where it waits."""
-    if not shutil.which("py-spy"):
-        sys.exit("error: py-spy is not installed: pip install py-spy")
-    ranks = rank_processes(pid)
-    if not ranks:
-        sys.exit(f"error: no process {pid}, or no rank of a job under it (is it torchrun's agent, or a rank?)")
-    cmd = ["py-spy", "dump", "--full-filenames", *(["--native"] if native else []), "--pid"]
+    if _ppid(pid) is None:
+        sys.exit(f"error: no process {pid}")
+    ranks, workers = find_job(pid)
+    name = os.path.basename(_cmdline(pid).split(" ")[0]) or "?"
+    if not ranks and not _runs_torch(pid):
+        sys.exit(f"error: pid {pid} ({name}) is no training process: it runs no torch, its environment has no RANK, "
+                 "and no rank runs under it")
+    py_spy = find_py_spy()
+    if not py_spy:
+        sys.exit("error: " + NO_PY_SPY.format(python=sys.executable))
+    if not ranks:  # torch, but no job around it: a rank started some other way (its rank unknown), or no rank
+        print(f"pid {pid} ({name}) runs torch, but no rank of a job was found around it (no RANK in its "
+              "environment, not started by mp.spawn or torchrun): its own stack")
+        ranks = {pid: None}
+    elif pid in workers:
+        print(f"pid {pid} is a child process of the rank with pid {workers[pid]} (a DataLoader worker, say), not a "
+              "rank: the ranks of its job follow")
+    cmd = [py_spy, "dump", "--full-filenames", *(["--native"] if native else [])]
     with ThreadPoolExecutor(len(ranks)) as pool:  # at once: a picture of the same moment on every rank
-        dumps = dict(zip(ranks, pool.map(lambda p: subprocess.run([*cmd, str(p)], capture_output=True, text=True,
-                                                                  timeout=120), ranks.values())))
-    world = _environ(next(iter(ranks.values()))).get("WORLD_SIZE", "?")
-    listed = ", ".join(f"rank {r} pid {p}" for r, p in ranks.items())
-    print(f"{len(ranks)} rank(s) of {world} on this machine: {listed}"
-          + ("" if str(len(ranks)) == world else " (run this on every node for the others)"))
+        dumps = dict(zip(ranks, pool.map(
+            lambda p: subprocess.run([*cmd, *(["--locals"] if ranks[p] is None else []), "--pid", str(p)],
+                                     capture_output=True, text=True, timeout=120), ranks)))
+    labels, world, how = _label(ranks, dumps)
+    order = sorted(ranks, key=lambda p: (labels[p] is None, labels[p] or 0, p))
+    listed = ", ".join(f"{_name(labels[p])} pid {p}" for p in order)
+    every = isinstance(world, int) and len(ranks) < world
+    print(f"{len(ranks)} rank(s) of {world} on this machine{how}: {listed}"
+          + (" (run this on every node for the others)" if every else ""))
+    if workers:
+        print("their child processes (DataLoader workers, say; not shown): " + "; ".join(
+            f"{', '.join(str(w) for w in workers if workers[w] == p)} of {_name(labels[p])}"
+            for p in order if p in workers.values()))
     summary = []
-    for rank, res in dumps.items():
-        print(f"\n== rank {rank} (pid {ranks[rank]}) ==")
+    for p in order:
+        res, label = dumps[p], _name(labels[p])
+        print(f"\n== {label} (pid {p}) ==")
         if res.returncode:
             denied = re.search(r"permission|not permitted|ptrace", res.stderr + res.stdout, re.I)
             print((res.stderr or res.stdout).strip() + ("\n" + PTRACE_HELP if denied else ""))
-            summary.append(f"rank {rank}: no stack (py-spy failed)")
+            summary.append(f"{label}: no stack (py-spy failed)")
             continue
+        dump = "\n".join(ln for ln in res.stdout.splitlines() if not ln.startswith("        "))  # no locals
         lines, hidden = [], 0
-        for line in res.stdout.splitlines():
+        for line in dump.splitlines():
             python_frame = re.match(r" +\S.* \(\S+\.py:\d+\)$", line)
             if native and line.startswith("    ") and not python_frame and not NATIVE_WAIT.match(line):
                 hidden += 1  # libc, pybind11, autograd's engine: what the rank waits for is in c10d's frames
@@ -488,9 +637,47 @@ def stacks(pid, native=False):
             if not line.startswith("Python v"):
                 lines.append(re.sub(r"\(/\S*/(site-packages/|lib/)", "(", line))  # torch/_tensor.py, libtorch_cpu.so
         print("\n".join(lines) + (f"\n    ({hidden} other native frames hidden)" if hidden else ""))
-        summary.append(f"rank {rank}: " + _waits(res.stdout))
+        summary.append(f"{label}: " + _waits(dump))
     print("\nwhere each rank is (its main thread: your line, the call it is in, the C++ wait with --native):")
     print("\n".join("  " + s for s in summary))
+
+
+def _name(rank):
+    return "rank unknown" if rank is None else f"rank {rank}"
+
+
+def _label(ranks, dumps):
+    """({pid: rank or None}, world size or '?', how the ranks were read): RANK from the environment; where there is
+    none (mp.spawn's children), a `rank` argument or variable in the main thread's frames, yours first (the
+    tutorial's demo_basic(rank, world_size)), as py-spy --locals shows it; where that is missing or not one per
+    process either, None: no process is labelled with a rank it may not be."""
+    labels, world, seen = dict(ranks), None, {}
+    for p, rank in ranks.items():
+        world = world or _environ(p).get("WORLD_SIZE")
+        if rank is None and dumps[p].returncode == 0:
+            main = dumps[p].stdout.split('"MainThread"')[-1].split("\nThread ")[0]
+            frame, found = None, []
+            for line in main.splitlines():
+                if (m := re.match(r" {4}(\S.*) \((\S+):\d+\)$", line)):
+                    frame = m
+                elif (v := re.match(r" {12}(rank|world_size): (\d+)$", line)) and frame:
+                    found.append((bool(LIBRARY.search(frame.group(2))), v.group(1), int(v.group(2)), frame.group(1)))
+            found.sort(key=lambda f: f[0])  # your frames first, then torch's (init_process_group's rank)
+            rank = next((f for f in found if f[1] == "rank"), None)
+            size = next((f[2] for f in found if f[1] == "world_size"), None)
+            if rank:
+                labels[p], seen[p] = rank[2], rank[3]
+            world = world or size
+    values = [labels[p] for p in seen]
+    for p in list(seen):  # two processes that claim one rank: neither is labelled
+        if values.count(labels[p]) > 1 or labels[p] in ranks.values():
+            labels[p] = None
+            del seen[p]
+    how = (f" (no RANK in their environment: ranks read from `rank` in {', '.join(sorted(set(seen.values())))})"
+           if seen else "")
+    if any(r is None for r in labels.values()):
+        how += " (rank unknown: no RANK in the environment, no `rank` variable in its frames)"
+    return labels, int(world) if world else "?", how
 
 
 def _waits(dump):
@@ -503,7 +690,7 @@ def _waits(dump):
     if mine is None:
         return python[0][1].group(0) if python else "(no Python frame)"
     i, m = mine
-    calls = [c.group(1) for j, c in python if j < i and not re.search(r"wrapper|<locals>", c.group(1))]
+    calls = [c.group(1) for j, c in python if j < i and not re.search(r"wrapper|<locals>|_call_impl$", c.group(1))]
     text = f"{m.group(1)} ({os.path.basename(m.group(2))}:{m.group(3)})"
     text += f" in {calls[-1]}" if calls else ""  # the library call your line made: barrier, Tensor.backward, ...
     waits = [f.split(" (")[0] for f in frames[:i] if NATIVE_WAIT.match(f)]
@@ -516,24 +703,32 @@ def main(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("stacks", help="every rank's Python stack, labelled by rank (py-spy)")
-    s.add_argument("pid", type=int, help="torchrun's agent, or any rank of the job")
+    s.add_argument("pid", type=int, help="torchrun's agent, mp.spawn's parent, any rank of the job, or a worker of one")
     s.add_argument("--native", action="store_true", help="with the C++ frames of c10d, gloo, NCCL and DDP's reducer")
     f = sub.add_parser("fr", help="read the Flight Recorder's records (flight_recorder(DIR) or NCCL's own dumps)")
     f.add_argument("dir", help="the folder of rank_<R> files")
     f.add_argument("--torch", action="store_true", help="then run torch's analyser on them too (fr_trace)")
+    f.add_argument("--run", help="the run to read (its id, as fr prints it); default: the newest")
     args = p.parse_args(argv)
     if args.command == "stacks":
         return stacks(args.pid, args.native)
-    records = read_records(args.dir) if os.path.isdir(args.dir) else {}
+    if not os.path.isdir(args.dir):
+        sys.exit(f"error: no folder {args.dir}")
+    records, said = read_records(args.dir, args.run)
     if not records:
-        sys.exit(f"error: no rank_<R> files in {args.dir}")
-    print("\n".join(summarize_records(records)))
-    cmd = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", args.dir, "--allow-incomplete-ranks"]
-    print(f"\ntorch's own analyser: python {' '.join(cmd[1:])} (or torchfrtrace). In its output, 'Culprit rank R' "
+        sys.exit(f"error: no rank_<R> files in {args.dir}" + (f" ({said[0]})" if said else ""))
+    print("\n".join(said + summarize_records(records)))
+    print("\ntorch's own analyser: python -m torch.distributed.flight_recorder.fr_trace DIR --allow-incomplete-ranks "
+          "(or torchfrtrace; it reads every file in DIR, whatever run wrote it). In its output, 'Culprit rank R' "
           "means that R's call differs from that of the rank whose record it read first, which may be the rank at "
           "fault: read which call each rank made, above.")
     if args.torch:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        with tempfile.TemporaryDirectory() as d:  # this run's records only
+            for r, record in records.items():
+                with open(os.path.join(d, f"rank_{r}"), "wb") as fh:
+                    pickle.dump(record, fh)
+            cmd = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", d, "--allow-incomplete-ranks"]
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         print(res.stdout + res.stderr)
 
 
