@@ -93,6 +93,14 @@ def test_the_readme_is_a_front_door():
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines, over {README_MAX_LINES}: depth to docs/"
 
 
+def test_the_first_hour_is_on_the_readmes_first_screen():
+    """Quick start runs the main job, then the five first-hour commands in order, 01 first, in the first 60 lines."""
+    _, blocks = split_fences("\n".join((REPO / "README.md").read_text().splitlines()[:60]))
+    shown = [found[0] for _, code in blocks for line in code if (found := script_and_args(line))]
+    first_hour = ["01_send_recv.py", "02_broadcast.py", "03_all_reduce.py", "04_sampler.py", "05_manual_ddp_gpt2.py"]
+    assert shown[0] == "05_manual_ddp_gpt2.py" and shown[1:6] == first_hour, shown
+
+
 def test_the_readme_test_command_is_the_one_ci_runs():
     ci = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines()
           if ln.strip().startswith("pip install")]
