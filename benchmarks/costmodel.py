@@ -462,13 +462,13 @@ def flops_per_token(m, params, seq, checkpointing="none", attention="flash"):
     return model, model + again[checkpointing]
 
 
-def sent_per_step(strategy, params, gpus, gpus_per_node=8, accum=1):
+def sent_per_step(strategy, params, gpus, gpus_per_node=8, accum=1, word=2):
     """Bytes each GPU sends a step (a ring sends (n-1)/n of the tensor a pass: an all-reduce two passes, a
     reduce-scatter or all-gather one), bf16 parameters and gradients: what each strategy communicates per
     micro-batch and per step. DDP, ZeRO-1: once a step (no_sync); ZeRO-2: a reduce-scatter every micro-batch, an
     all-gather a step; FSDP: two all-gathers and a reduce-scatter every micro-batch; HSDP: those within the node
     every micro-batch, its 1/g shard all-reduced across the nodes once a step."""
-    size = 2 * params
+    size = word * params
 
     def ring(n):
         return (n - 1) / n if n > 1 else 0.0
@@ -500,7 +500,7 @@ def describe_hardware(hw):
     def mark(key, text):
         return f"{text} (yours)" if key in hw["yours"] else text
     return (f"{hw['profile']}{' with your figures' if hw['yours'] else ''}: "
-            + ", ".join([mark("gpus_per_node", f"{hw['gpus_per_node']} GPUs a node"),
+            + ", ".join([mark("gpus_per_node", f"{hw['gpus_per_node']} GPU{'s' * (hw['gpus_per_node'] != 1)} a node"),
                          mark("intra_busbw", f"{hw['intra_busbw']:g} GB/s a GPU within a node"),
                          mark("inter_busbw", f"{hw['inter_busbw']:g} GB/s a node across nodes"),
                          mark("memory_gib", f"{hw['memory_gib']:g} GiB"),
@@ -611,13 +611,15 @@ def rate_from_measurement(m, measured, run):
 def predict(model, gpus, gpus_per_node=None, hardware="h100-ib", strategy="ddp", batch=4, seq=None, mfu=None,
             bucket_mb=None, hfu=None, activation_checkpointing="none", grad_accum=1, attention="flash",
             gpu_mem_gib=None, inter_node_gbps=None, intra_node_gbps=None, peak_tflops=None, prefetch=True,
-            trace=None, bucket_view=False, measured=None):
+            trace=None, bucket_view=False, measured=None, weights="bf16"):
     """The step of one model on gpus GPUs: a dict with the keys `predict --json` prints. batch: sequences per GPU
     per micro-batch; grad_accum micro-batches a step. mfu (model FLOPs) or hfu (hardware FLOPs, recompute
     included): the rate of the compute, as a fraction of the peak; or measured (read_measurement's dict: a run's
     tokens/s, from which the rate is derived); none of them: hfu 0.4, a guess. The hardware: a HARDWARE name, its
     figures replaced by those given (GB/s per node each direction across nodes, per GPU within; gpus_per_node
     default: the profile's). bucket_view: PyTorch DDP's gradient_as_bucket_view=True (no second gradient copy).
+    weights: "bf16" (bf16 parameters and gradients, fp32 master weights in the optimizer: 2 + 2 + 12 bytes a
+    parameter) or "fp32" (PyTorch's autocast, AMP: fp32 parameters and gradients, communicated in fp32: 4 + 4 + 8).
     prefetch=False: FSDP without backward prefetch; trace: a list for FSDP's timeline (fsdp_step)."""
     m = model_shape(model) if isinstance(model, str) else model
     if sum(x is not None for x in (mfu, hfu, measured)) > 1:
@@ -633,8 +635,10 @@ def predict(model, gpus, gpus_per_node=None, hardware="h100-ib", strategy="ddp",
             hardware=hardware, gpu_mem_gib=gpu_mem_gib, inter_node_gbps=inter_node_gbps,
             intra_node_gbps=intra_node_gbps, peak_tflops=peak_tflops, gpus_per_node=gpus_per_node,
             strategy=strategy, batch=batch, seq=seq, activation_checkpointing=activation_checkpointing,
-            grad_accum=grad_accum, attention=attention, bucket_mb=bucket_mb, bucket_view=bucket_view))
+            grad_accum=grad_accum, attention=attention, bucket_mb=bucket_mb, bucket_view=bucket_view,
+            weights=weights))
     seq = seq or m["ctx"]
+    word = {"bf16": 2, "fp32": 4}[weights]  # bytes of a parameter and of its gradient
     link = Link.from_profile(hw, gpus_per_node)
     layer, outer = layer_params(m)
     params = m["layers"] * layer + outer
@@ -649,13 +653,13 @@ def predict(model, gpus, gpus_per_node=None, hardware="h100-ib", strategy="ddp",
     # The optimizer reads and writes ~16+12 bytes a parameter (fp32 master, moments, bf16 copy) at ~2 TB/s.
     opt = params * 28 / 2e12
     # Backward from the head to the embeddings: each weight's gradient ready when its share of backward (its
-    # FLOPs, in proportion to its parameters) is done, as hooks would see it; bf16 gradients, 2 bytes each.
+    # FLOPs, in proportion to its parameters) is done, as hooks would see it; `word` bytes each.
     tensors = [m["vocab"] * m["d"]] + layer_tensors(m)[::-1] * m["layers"] + [outer - m["vocab"] * m["d"]]
     ready, t, grads = [], 0.0, []
     for n in tensors:
         t += n / params * bwd
         ready.append(t)
-        grads.append(2 * n)
+        grads.append(word * n)
     acts = activation_bytes(m, seq, batch, activation_checkpointing, attention)
     if strategy in ("fsdp", "hsdp"):
         # HSDP: a shard group per node, replicas across nodes (one node or less: FSDP)
@@ -663,11 +667,12 @@ def predict(model, gpus, gpus_per_node=None, hardware="h100-ib", strategy="ddp",
         units = [outer] + [layer] * m["layers"]  # the root (embeddings, head) first, then each block
         fwd_u = [fwd * u / params for u in units]
         bwd_u = [bwd * u / params for u in units]
-        step, exposed = fsdp_step(fwd_u, bwd_u, [2 * u for u in units], [2 * u for u in units], opt, link, shard,
+        step, exposed = fsdp_step(fwd_u, bwd_u, [word * u for u in units], [word * u for u in units], opt, link, shard,
                                   grad_accum, prefetch, gpus // shard, trace)
         best_mb = None
         big = sorted(units)[-2:] if len(units) > 1 else units * 2
-        mem = memory("fsdp", params, shard, unit_params=big[-1], next_unit_params=big[0], activations=acts)
+        mem = memory("fsdp", params, shard, word, word, 16 - 2 * word, unit_params=big[-1], next_unit_params=big[0],
+                     activations=acts)
     else:
         if bucket_mb:
             step, exposed = ddp_step(fwd, ready, bwd, opt, grads, bucket_mb * MIB, link, gpus, strategy=strategy,
@@ -675,8 +680,8 @@ def predict(model, gpus, gpus_per_node=None, hardware="h100-ib", strategy="ddp",
             best_mb = bucket_mb
         else:
             step, exposed, best_mb = best_bucket(fwd, ready, bwd, opt, grads, link, gpus, strategy, grad_accum)
-        mem = memory(strategy, params, gpus, bucket_bytes=(best_mb or 25) * MIB, activations=acts,
-                     ddp_buckets=not bucket_view)
+        mem = memory(strategy, params, gpus, word, word, 16 - 2 * word, bucket_bytes=(best_mb or 25) * MIB,
+                     activations=acts, ddp_buckets=not bucket_view)
     per_gpu = tokens * grad_accum / step
     # Scaling efficiency as ddp_step.py measures it: the same per-rank work without communication, over the step
     return dict(step_ms=step * 1e3, tokens_per_s=per_gpu * gpus, tokens_per_s_per_gpu=per_gpu,
@@ -689,7 +694,7 @@ def predict(model, gpus, gpus_per_node=None, hardware="h100-ib", strategy="ddp",
                 achieved_mfu=per_gpu * model_flops / peak, flops_per_token=model_flops,
                 hardware_flops_per_token=hw_flops, activation_checkpointing=activation_checkpointing,
                 attention=attention, grad_accum=grad_accum, global_batch_tokens=tokens * grad_accum * gpus,
-                sent_gb_per_gpu_per_step=sent_per_step(strategy, params, gpus, gpus_per_node, grad_accum) / GB,
+                sent_gb_per_gpu_per_step=sent_per_step(strategy, params, gpus, gpus_per_node, grad_accum, word) / GB,
                 rate_source=source, hardware=hw)
 
 
@@ -992,7 +997,8 @@ def predict_main(args):
         out = predict(args.model, args.gpus, args.gpus_per_node, args.hardware, args.strategy, args.batch_size,
                       args.seq_len, args.mfu, args.bucket_mb, args.hfu, args.activation_checkpointing,
                       args.grad_accum, args.attention, args.gpu_mem_gib, args.inter_node_gbps, args.intra_node_gbps,
-                      args.peak_tflops, bucket_view=args.gradient_as_bucket_view, measured=measured)
+                      args.peak_tflops, bucket_view=args.gradient_as_bucket_view, measured=measured,
+                      weights=args.weights)
     except ValueError as e:  # parse() catches these first; a direct caller of predict() gets the exception
         sys.exit(print(f"error: {e}", file=sys.stderr) or 2)
     if args.json:
@@ -1104,6 +1110,9 @@ def parse(argv=None):
     q.add_argument("--measured-gpus", type=positive(int), default=1, help="the GPUs --measured-tokens-per-s ran on")
     q.add_argument("--measured-row", default=None,
                    help="the row of --measured (gpu_check's name, ddp_step's impl); default the fastest with DDP")
+    q.add_argument("--weights", choices=["bf16", "fp32"], default="bf16",
+                   help="bf16: bf16 parameters and gradients, fp32 master weights; fp32: PyTorch AMP (autocast), "
+                        "fp32 parameters and gradients, all-reduced in fp32")
     q.add_argument("--gradient-as-bucket-view", action="store_true",
                    help="PyTorch DDP's flag: gradients live in the buckets, no second copy of them")
     q.add_argument("--bucket-mb", type=positive(float), default=None, help="DDP/ZeRO buckets; default: the best")
