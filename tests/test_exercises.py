@@ -218,6 +218,7 @@ def test_a_deadlocking_ring_ends_in_bounded_time_with_where_each_rank_waited(tmp
     assert first.startswith("HANG") and "no progress for 3 s in case 1 of" in first, first
     for r in range(3):
         assert f"rank {r} waits at blocking_ring.py:{line} in ring_all_reduce" in first, first
+    assert "Every rank waits in a send and none in a receive" in first, first
     assert "dist.send blocks until the receiving rank has posted its receive" in v["text"], v["text"]
 
 
