@@ -14,11 +14,11 @@ numbered script, so a notebook runs the scripts' own code, never a copy; `ranks.
 of it, taken from the module rank 0 has loaded.
 
 A mistake costs one cell. When a `%%px` cell's collective times out, or a rank fails while the others wait for it,
-the cell ends with one short error (GroupError) naming who waited where; the group cannot be used again (every
-later cell says so at once), and `ranks.reset()` replaces it with a fresh one of the same size in a few seconds (the kernel and its variables
-stay; the ranks' variables are lost). Stop (interrupt) interrupts the ranks; one stuck inside a collective cannot
-be interrupted, and the cell then says to reset. `ranks.check(name)` grades the reader's "Your turn" cell on
-every rank with exercises/grading.py, the checker behind exercises/check.py.
+the cell ends with one short error (GroupError) naming who waited where; the group cannot be used again (every later
+cell says so at once), and `ranks.reset()` replaces it with a fresh one of the same size in a few seconds (the
+kernel and its variables stay; the ranks' variables are lost). Stop (interrupt) interrupts the ranks; one stuck
+inside a collective cannot be interrupted, and the cell then says to reset. `ranks.check(name)` grades the reader's
+"Your turn" cell on every rank with exercises/grading.py, the checker behind exercises/check.py.
 
 No rank outlives its notebook: each engine (and ipyparallel's controller) is started by this file (see its end)
 in a process group of its own, and watches the kernel that started it: once that kernel is gone (shut down,
