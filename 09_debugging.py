@@ -4,9 +4,11 @@ diagnosed with the real tool, and fixed.
 What it teaches: one scenario per --fault, its broken program run as a child job (torchrun, as many ranks, a short
 --timeout-s; the command and its environment printed): the symptom as you meet it, the tool that finds the cause
 (checked to name it), then the fix, run in this job; `OK` when all three happened, exit 1 when the diagnosis did not.
+Without py-spy, `stacks` is skipped (and said so): the Flight Recorder and monitored_barrier diagnose on their own.
   mismatch    ranks all-reduce different shapes: one dies, one sums garbage; TORCH_DISTRIBUTED_DEBUG=DETAIL names both
   rank0-only  a barrier only rank 0 reaches: a hang; stacks, the Flight Recorder and monitored_barrier each name it
-  uneven      PyTorch's DDP, one rank a batch more: a hang in backward (stacks --native: DDP's reducer); Join fixes it
+  uneven      PyTorch's DDP, one rank a batch more: a hang in backward (stacks --native: DDP's reducer; the Flight
+              Recorder: its all-reduce against the others' barrier); Join fixes it
   drift       replicas that silently diverge, the loss fine: check_replicas() names the tensor and the ranks
   crash       one rank raises: the log has its traceback, torchrun's summary the rank, @record the exception there too
   same-gpu    (CUDA) NCCL with no torch.cuda.set_device: every rank on cuda:0; NCCL_DEBUG=INFO shows it
@@ -40,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # debug_tools.py and ddp_dropin.py live beside this file
-from debug_tools import check_replicas, flight_recorder, group_for_ddp  # noqa: E402  (the tools for your own job)
+from debug_tools import check_replicas, find_py_spy, flight_recorder, group_for_ddp  # noqa: E402  (your job's tools)
 
 FAULTS = ("mismatch", "rank0-only", "uneven", "drift", "crash", "same-gpu")
 BATCH, STEPS = 8, 4
@@ -129,7 +131,7 @@ def program(fault, fixed=False, monitored=False):
 
 
 # --- running the broken program as a child job, and the tools on it ---
-def child(args, fault, timeout_s, env=None, flags=(), stacks_when=None, native=False, stop=lambda: True):
+def child(args, fault, timeout_s, env=None, flags=(), stacks_when=None, native=False, stop=None):
     """Run `torchrun --standalone` with WORLD ranks, `--fault fault --broken`, without our own job's torchrun
     variables, and print the command; returns (exit code, output, seconds, stacks). `stacks_when` (pattern, count):
     once `count` lines of output match, `python debug_tools.py stacks <torchrun's pid>` runs; the job is stopped
@@ -150,7 +152,7 @@ def child(args, fault, timeout_s, env=None, flags=(), stacks_when=None, native=F
             if stacks_when and not stacks and len(re.findall(stacks_when[0], out.read_text())) >= stacks_when[1]:
                 time.sleep(1)  # they wait now
                 stacks = tool("stacks", str(proc.pid), *(["--native"] if native else []))
-            if stacks and stop():
+            if stop and (stacks or not stacks_when) and stop():
                 break
         if proc.poll() is None:
             proc.terminate()  # the agent passes it on to its workers
@@ -209,51 +211,65 @@ def where_lines(stacks):  # the last lines `debug_tools.py stacks` prints: one p
     return [ln for ln in stacks.split("where each rank is")[-1].splitlines() if ln.strip().startswith("rank ")]
 
 
+def hang(args, fault, timeout_s, stacks_when, native=False):
+    """The broken program in flight_recorder(DIR) (2 s makes a hang): stacks once it hangs, where py-spy is found;
+    then `fr DIR` on every rank's record. Returns (where each rank waits, or None without py-spy, what fr said)."""
+    with tempfile.TemporaryDirectory() as d:
+        stacks_when = stacks_when if find_py_spy() else None
+        rc, out, s, stacks = child(args, fault, timeout_s, flags=["--fr", d], stacks_when=stacks_when, native=native,
+                                   stop=lambda: len(list(Path(d).glob("rank_*[0-9]"))) == WORLD)  # all written
+        print0(f"-- the broken run hangs (no error for --timeout-s {timeout_s}; stopped after {s:.0f} s)"
+               + ("; where each rank waits:" if stacks_when else ""))
+        if stacks_when:
+            show(where_lines(stacks), 200)
+        else:  # the lesson goes on with the tools that need nothing installed
+            print0("   (stacks skipped: py-spy not found; pip install py-spy to see every rank's stack)")
+        fr = tool("fr", d, "--torch")
+    print0("-- what each rank's flight_recorder() wrote once a collective had waited 2 s, then torch's analyser:")
+    ours = fr.split("\ntorch's own")[0]
+    show(ours[ours.find("the ranks part"):].splitlines() + grep(fr, r"error msg: Culprit", 1), 200)
+    waits = {int(ln.split()[1][:-1]): ln for ln in where_lines(stacks)} if stacks_when else None
+    return waits, fr
+
+
 def scenario_rank0_only(args):
     print0("== rank0-only: rank 0 saves a checkpoint, then a barrier meant for every rank waits in rank 0's branch")
     if RANK == 0:
-        with tempfile.TemporaryDirectory() as d:
-            rc, out, s, stacks = child(args, "rank0-only", 60, flags=["--fr", d], stacks_when=(r"\] step 1\b", WORLD),
-                                       stop=lambda: len(list(Path(d).glob("rank_*[0-9]"))) == WORLD)  # all written
-            print0(f"-- the broken run hangs (no error for --timeout-s 60; stopped after {s:.0f} s); where each waits:")
-            show(where_lines(stacks))
-            fr = tool("fr", d, "--torch")
-        print0("-- what each rank's flight_recorder() wrote once a collective had waited 2 s, then torch's analyser:")
-        ours = fr.split("\ntorch's own")[0]
-        show(ours[ours.find("the ranks part"):].splitlines() + grep(fr, r"error msg: Culprit", 1), 200)
+        waits, fr = hang(args, "rank0-only", 60, stacks_when=(r"\] step 1\b", WORLD))
         print0("   torch's 'Culprit rank R': R's call differs from that of the rank whose record it read first, "
                "which may be the one at fault: read which call each rank made (above: rank 0 alone in barrier)")
         rc, out, s, _ = child(args, "rank0-only", 30, flags=["--monitored", "--backend", "gloo"])
         print0("-- dist.monitored_barrier(timeout=4 s) in the barrier's place (gloo): rank 0 names who never came:")
         show(grep(out, r"failed to pass monitoredBarrier", 1))
-        stuck = [ln for ln in where_lines(stacks) if ln.strip().startswith("rank 0:")]
-        ok = stuck and " in barrier" in stuck[0] and "rank(s) [0]: " in fr and "monitoredBarrier" in out
-    diagnosed(RANK != 0 or ok, "stacks', the Flight Recorder's and monitored_barrier's naming of rank 0's barrier")
+        ok = "rank(s) [0]: gloo:barrier" in fr and "monitoredBarrier" in out and \
+            (waits is None or " in barrier" in waits.get(0, ""))
+    tools = "stacks, the Flight Recorder and monitored_barrier" if find_py_spy() else \
+        "the Flight Recorder and monitored_barrier (stacks skipped: no py-spy)"
+    diagnosed(RANK != 0 or ok, f"{tools}' naming of rank 0's barrier")
     program("rank0-only", fixed=True)
-    print0("OK rank0-only: stacks, the Flight Recorder and monitored_barrier each named rank 0's lone barrier; the "
-           "fix ran")
+    print0(f"OK rank0-only: {tools} each named rank 0's lone barrier; the fix ran")
 
 
 def scenario_uneven(args):
     last = WORLD - 1
     print0(f"== uneven: PyTorch's DDP; rank {last}'s share of the data has {STEPS + 1} batches, the others' {STEPS}")
     if RANK == 0:
-        rc, out, s, stacks = child(args, "uneven", 60, stacks_when=(r"batches done", last), native=True)
-        print0(f"-- the broken run hangs, no error for 60 s (stopped after {s:.0f} s); where each rank waits:")
-        show(where_lines(stacks), 200)
-        waits = {int(ln.split()[1][:-1]): ln for ln in where_lines(stacks)}
-        ok = "Tensor.backward <- c10d::Reducer" in waits.get(last, "") and \
-            all(" in barrier" in waits.get(r, "") for r in range(last))
+        waits, fr = hang(args, "uneven", 60, stacks_when=(r"batches done", last), native=True)
         print0(f"   rank {last} waits inside loss.backward(): DDP's reducer all-reduces the gradients there, "
                "and the others, out of data, wait in the barrier after the loop")
+        ok = f"rank(s) {list(range(last))}: gloo:barrier" in fr and f"rank(s) [{last}]: gloo:all_reduce" in fr and \
+            (waits is None or "Tensor.backward <- c10d::Reducer" in waits.get(last, "")
+             and all(" in barrier" in waits.get(r, "") for r in range(last)))
         rc, out, s, _ = child(args, "uneven", 10, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
         said = ": no segfault in DDP's constructor here (there is one on gloo in torch 2.14)"
         if re.search(r"exitcode: -11", out):
             said = (", a segfault (exit code -11) in DDP's constructor, nothing printed (torch 2.14 on gloo). What "
-                    "works: stacks, above, for DDP's own wait; DETAIL for your other collectives, with DDP(model, "
-                    "process_group=debug_tools.group_for_ddp()) (mismatch runs so)")
+                    "works: stacks or the Flight Recorder, above, for DDP's own wait; DETAIL for your other "
+                    "collectives, with DDP(model, process_group=debug_tools.group_for_ddp()) (mismatch runs so)")
         print0(f"-- TORCH_DISTRIBUTED_DEBUG=DETAIL on it: exit {rc} after {s:.0f} s{said}")
-    diagnosed(RANK != 0 or ok, f"stacks naming rank {last} in backward, in DDP's reducer")
+    tools = "stacks (DDP's reducer) and the Flight Recorder" if find_py_spy() else \
+        "the Flight Recorder (stacks skipped: no py-spy)"
+    diagnosed(RANK != 0 or ok, f"{tools} naming rank {last} in backward's all-reduce")
     from ddp_dropin import ManualDDP  # beside this file: 05's DDPCore plus DDP's surface, Join included
     for name, wrapper in [("PyTorch's DDP", DDP), ("ManualDDP", ManualDDP)]:
         model = wrapper(make_model())
@@ -264,7 +280,7 @@ def scenario_uneven(args):
         dist.barrier()
         check_replicas(model)
         print0(f"-- the fix, with {name}: `with Join([model]):` around the loop; all done, replicas identical")
-    print0(f"OK uneven: the hang found by stacks in rank {last}'s backward (DDP's reducer), Join fixed it")
+    print0(f"OK uneven: {tools} found the hang in rank {last}'s backward, Join fixed it")
 
 
 def train_by_hand(seed, bn, clip_ranks, sync_buffers=False):
