@@ -116,7 +116,7 @@ def run_05(impl, compile_, model_dir, shape_args, out, env):
     t = time.perf_counter()
     code, output = run_logged(cmd, log, env, RUN_TIMEOUT_S)
     print(f"{name}: exit {code} in {time.perf_counter() - t:.0f} s", flush=True)
-    steps = [ln for ln in output.splitlines() if ln.startswith("step")]
+    steps = [ln for ln in output.splitlines() if ln.startswith("step") and "tok/s" in ln]  # not the val loss lines
     speed = re.search(r"([\d,]+) tok/s", steps[-1]) if steps else None
     if code != 0 or not speed:
         return name, None, None, log
@@ -129,10 +129,9 @@ def ceiling(model_dir, device, bf16, batch_size, seq_len, steps, window):
     plain loop: fused AdamW, clipping, bf16 autocast. Tokens/s over the last `window` steps."""
     import torch
     import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM, logging
-    logging.disable_progress_bar()
-    # gelu_pytorch_tanh: GPT-2's gelu_new written as one kernel, as 05 runs it (compiled, the two fuse alike).
-    model = AutoModelForCausalLM.from_pretrained(model_dir, activation_function="gelu_pytorch_tanh").to(device)
+    lesson = load_script("05_manual_ddp_gpt2.py")  # its build_model: the model exactly as 05 trains it
+    _, model = lesson.build_model(lesson.parse_args(["--model", str(model_dir), "--seq-len", str(seq_len)]))
+    model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
 
