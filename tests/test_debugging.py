@@ -14,7 +14,9 @@ Launches with the same purpose run side by side: most of a hang test is waiting,
 """
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,11 +33,9 @@ SCENARIOS = {  # scenario -> what its output must show: the diagnosis, as the to
                  "] all-reduced ['loss', 'samples']",
                  "Exception raised from", "$ TORCH_DISTRIBUTED_DEBUG=DETAIL TORCH_SHOW_CPP_STACKTRACES=1 python -m "
                  "torch.distributed.run --standalone", "OK mismatch"],
-    "rank0-only": ["rank 0: program (09_debugging.py:", "rank(s) [0]: gloo:barrier [] from program (09_debugging.py:",
-                   "error msg: Culprit rank", "failed to pass monitoredBarrier", "$ python debug_tools.py fr ",
-                   "OK rank0-only"],
-    "uneven": ["in Tensor.backward <- c10d::Reducer::finalize_backward", "$ python debug_tools.py stacks ",
-               "TORCH_DISTRIBUTED_DEBUG=DETAIL on it", "with PyTorch's DDP", "with ManualDDP", "OK uneven"],
+    "rank0-only": ["rank(s) [0]: gloo:barrier [] from program (09_debugging.py:", "error msg: Culprit rank",
+                   "failed to pass monitoredBarrier", "$ python debug_tools.py fr ", "OK rank0-only"],
+    "uneven": ["TORCH_DISTRIBUTED_DEBUG=DETAIL on it", "with PyTorch's DDP", "with ManualDDP", "OK uneven"],
     "drift": ["| 0.weight (float32, (16, 8)) on rank(s)", "| 1.running_mean (float32, (16,)) on rank(s)",
               "check_replicas says replicas identical", "OK drift"],
     "crash": ["FloatingPointError: loss is nan at step 2", "OK crash"],
@@ -43,21 +43,42 @@ SCENARIOS = {  # scenario -> what its output must show: the diagnosis, as the to
 }
 
 
+STACKS = {  # what rank0-only and uneven show with py-spy (on 2 ranks), and what they say without it (on 3)
+    True: ["rank 0: program (09_debugging.py:", "$ python debug_tools.py stacks ",
+           "in Tensor.backward <- c10d::Reducer::finalize_backward",
+           "OK rank0-only: stacks, the Flight Recorder and monitored_barrier each named",
+           "OK uneven: stacks (DDP's reducer) and the Flight Recorder found the hang"],
+    False: ["(stacks skipped: py-spy not found; pip install py-spy to see every rank's stack)",
+            "OK rank0-only: the Flight Recorder and monitored_barrier (stacks skipped: no py-spy) each named",
+            "OK uneven: the Flight Recorder (stacks skipped: no py-spy) found the hang"]}
+
+
 @pytest.mark.slow
-def test_every_scenario_shows_its_symptom_its_diagnosis_and_its_fix_on_2_and_3_ranks():
+def test_every_scenario_shows_its_symptom_its_diagnosis_and_its_fix_on_2_and_3_ranks(tmp_path):
+    """2 ranks with py-spy; 3 ranks under a Python that has none beside it and a PATH without it (a virtual
+    environment over this one, not activated): stacks skipped, said, and every scenario still OK."""
     faults = {2: list(SCENARIOS), 3: [f for f in SCENARIOS if f != "mismatch"]}
+    python, path = venv_python(tmp_path)
+    cmd = {2: launch.torchrun_cmd("09_debugging.py", 2, ["--fault", *faults[2], "--device", "cpu"]),
+           3: [python, *launch.torchrun_cmd("09_debugging.py", 3, ["--fault", *faults[3], "--device", "cpu"])[1:]]}
+    env = {2: launch.make_env(), 3: launch.make_env(PATH=path)}
     with ThreadPoolExecutor(2) as pool:
-        runs = dict(zip([2, 3], pool.map(lambda n: launch.torchrun("09_debugging.py", n, ["--fault", *faults[n]],
-                                                                   timeout=900), [2, 3])))
+        runs = dict(zip([2, 3], pool.map(lambda n: launch.run(cmd[n], timeout=900, env=env[n]), [2, 3])))
     for nproc, res in runs.items():
         assert not res.timed_out and res.returncode == 0, f"{nproc} ranks\n{res.output[-6000:]}"
         for scenario in faults[nproc]:
             for text in SCENARIOS[scenario]:
                 assert text in res.output, f"{scenario} on {nproc} ranks: no {text!r}\n{res.output[-6000:]}"
+        for text in STACKS[nproc == 2]:
+            assert text in res.output, f"{nproc} ranks: no {text!r}\n{res.output[-6000:]}"
         last = nproc - 1
-        assert re.search(rf"rank {last}: step \(09_debugging.py:\d+\) in Tensor.backward <- c10d::Reducer", res.output)
-        assert all(re.search(rf"rank {r}: program \(09_debugging.py:\d+\) in barrier", res.output) for r in range(last))
+        assert f"rank(s) {list(range(last))}: gloo:barrier [] from program (09_debugging.py:" in res.output
+        assert f"rank(s) [{last}]: gloo:all_reduce" in res.output  # uneven: DDP's all-reduce, in the last rank
         assert f"OK crash: the log and torchrun named rank {last}, @record put its FloatingPointError" in res.output
+    two = runs[2].output
+    assert re.search(r"rank 1: step \(09_debugging.py:\d+\) in Tensor.backward <- c10d::Reducer", two), two[-6000:]
+    assert re.search(r"rank 0: program \(09_debugging.py:\d+\) in barrier", two), two[-6000:]
+    assert "stacks skipped" not in two and "$ python debug_tools.py stacks " not in runs[3].output
 
 
 def test_check_replicas_names_the_tensor_the_ranks_and_the_difference_on_every_rank():
@@ -92,20 +113,36 @@ def test_find_the_bug_fails_as_shipped_and_passes_once_fixed(tmp_path):
 WORKER = "tests/workers/buggy_train.py"
 
 
-def tool(*argv):
+def venv_python(tmp_path, py_spy=False):
+    """(python, PATH): a virtual environment over this Python (its packages, torch included), not activated, and a
+    PATH without py-spy; py-spy beside the venv's python when asked, else nowhere these two lead."""
+    venv = tmp_path / ("venv_py_spy" if py_spy else "venv")
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    if py_spy:
+        here = Path(sys.executable).resolve().parent / "py-spy"  # the binary itself (shutil.which may find a shim)
+        (venv / "bin" / "py-spy").symlink_to(here if here.exists() else shutil.which("py-spy"))
+    path = [d for d in ("/usr/local/bin", "/usr/bin", "/bin") if not Path(d, "py-spy").exists()]
+    return str(venv / "bin" / "python"), os.pathsep.join(path)
+
+
+def tool(*argv, python=sys.executable, **env):
     """`python debug_tools.py ARGV`, as the reader runs it from a shell; returns what it printed."""
-    res = subprocess.run([sys.executable, "debug_tools.py", *argv], cwd=launch.REPO, capture_output=True, text=True,
-                         timeout=240)
+    res = subprocess.run([python, "debug_tools.py", *argv], cwd=launch.REPO, capture_output=True, text=True,
+                         timeout=240, env={**os.environ, **env})
     return res.stdout + res.stderr
 
 
-def reader_job(nproc, args, until, then, timeout=300):
-    """Run the reader's script under torchrun (debug_tools importable through PYTHONPATH, as a reader who keeps it
-    elsewhere would); once until(output, folder) holds, call then(agent_pid, pids by rank, folder), stop the whole
-    job and return (output, what `then` returned). `folder`: a fresh directory, `{dir}` in args."""
-    with tempfile.TemporaryDirectory() as d:
-        log = Path(d, "log")
-        cmd = launch.torchrun_cmd(WORKER, nproc, [a.replace("{dir}", d) for a in args])
+def reader_job(nproc, args, until, then, timeout=300, script=WORKER, folder=None):
+    """Run the reader's script under torchrun (nproc ranks) or as it launches itself (nproc None: mp.spawn), with
+    debug_tools importable through PYTHONPATH, as a reader who keeps it elsewhere would; once until(output, folder)
+    holds, call then(launcher's pid, pids by rank, folder), stop the whole job and return (output, what `then`
+    returned). `folder`: a fresh directory unless given, `{dir}` in args."""
+    with tempfile.TemporaryDirectory() as fresh:
+        d = folder or fresh
+        log = Path(fresh, "log")
+        args = [a.replace("{dir}", d) for a in args]
+        cmd = launch.torchrun_cmd(script, nproc, args) if nproc else [sys.executable, str(launch.REPO / script), *args]
         with open(log, "w") as f:  # a file, not a pipe: the ranks never block on us
             proc = subprocess.Popen(cmd, cwd=launch.REPO, env=launch.make_env(PYTHONPATH=launch.REPO), stdout=f,
                                     stderr=subprocess.STDOUT, start_new_session=True)
@@ -115,7 +152,10 @@ def reader_job(nproc, args, until, then, timeout=300):
                 time.sleep(0.3)
                 if until(log.read_text(), d):
                     time.sleep(1)  # the ranks are blocked now
-                    result = then(proc.pid, dict(re.findall(r"rank (\d+) pid (\d+)", log.read_text())), d)
+                    text = log.read_text()  # 'rank 1 pid 123', and DataLoader workers' 'rank 1 worker 0 pid 124'
+                    pids = {**dict(re.findall(r"rank (\d+) pid (\d+)", text)),
+                            **{f"{r}.{w}": p for r, w, p in re.findall(r"rank (\d+) worker (\d+) pid (\d+)", text)}}
+                    result = then(proc.pid, pids, d)
                     break
         finally:
             launch.kill_tree(proc)
@@ -136,20 +176,28 @@ def uneven(nproc):
                                                    tool("stacks", pids[str(nproc - 1)])))
 
 
-def eval_gather(nproc):
+def eval_gather(nproc, folder):
     """Rank 0 evaluates after epoch 0 and all-gathers; the others are already in epoch 1's DDP backward. Every rank's
-    flight_recorder writes its record after a 3 s wait; then `stacks` from rank 1's pid, and `fr`."""
+    flight_recorder writes its record (into `folder`/fr) after a 3 s wait; then `stacks` from rank 1's pid, and
+    `fr`. Only the newest records count: those of this run, whose written time is past those of a run before."""
+    t0 = time.time()
     return reader_job(nproc, ["--bug", "eval-gather", "--ddp", "--timeout", "600", "--record", "{dir}/fr"],
-                      until=lambda out, d: len(list(Path(d, "fr").glob("rank_[0-9]*"))) == nproc,
-                      then=lambda agent, pids, d: (tool("stacks", pids["1"]), tool("fr", f"{d}/fr")))
+                      until=lambda out, d: sum(p.stat().st_mtime > t0 for p in Path(d, "fr").glob("rank_[0-9]*"))
+                      == nproc, then=lambda agent, pids, d: (tool("stacks", pids["1"]), tool("fr", f"{d}/fr")),
+                      folder=folder)
 
 
 @pytest.mark.slow
-def test_stacks_and_the_flight_recorder_find_each_hang_of_a_readers_ddp_job_on_2_and_3_ranks():
-    # All four jobs at once: a hang test is mostly waiting, which the others fill.
-    jobs = [(bug, nproc) for bug in (uneven, eval_gather) for nproc in (2, 3)]
+def test_stacks_and_the_flight_recorder_find_each_hang_of_a_readers_ddp_job_on_2_and_3_ranks(tmp_path):
+    """The 2-rank evaluation hang records into the folder the 3-rank one used: `fr` reads the 2-rank run alone and
+    says it skipped the stale rank_2."""
+    def both_eval_gathers(_):
+        return eval_gather(3, tmp_path), eval_gather(2, tmp_path)
+    # Three jobs at once (the two evaluation hangs in turn): a hang test is mostly waiting, which the others fill.
+    jobs = [(uneven, 2), (uneven, 3), (both_eval_gathers, None)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = dict(zip(jobs, pool.map(lambda job: job[0](job[1]), jobs)))
+    results[eval_gather, 3], results[eval_gather, 2] = results.pop((both_eval_gathers, None))
     for (bug, nproc), (out, found) in results.items():
         assert found, f"{bug.__name__} on {nproc} ranks: the job never hung as planned\n{out[-3000:]}"
     for nproc in (2, 3):
@@ -170,6 +218,11 @@ def test_stacks_and_the_flight_recorder_find_each_hang_of_a_readers_ddp_job_on_2
         assert re.search(r"rank\(s\) \[0\]: gloo:all_gather \[\[8, 1\]\] from evaluate \(buggy_train.py:\d+\)", fr), fr
         assert f"rank(s) {list(range(1, nproc))}: gloo:all_reduce" in fr, fr
         assert "'Culprit rank R' means that R's call differs" in fr, fr
+        files = ", ".join(f"rank_{r}" for r in range(nproc))
+        assert re.search(rf"^read run \S+ \({nproc} ranks, written [\d:]+\): {files}$", fr, re.M), fr
+    stale = results[eval_gather, 2][1][1]
+    assert re.search(r"^skipped: rank_2 \(run \S+, 3 ranks, written [\d:]+\)$", stale, re.M), stale
+    assert "rank 2" not in stale, stale
 
 
 @pytest.mark.slow
@@ -189,3 +242,97 @@ def test_check_replicas_finds_a_per_rank_seed_and_a_tensor_attribute_that_ddp_ne
     assert message and message.group(1).startswith("replicas differ: module.proj (float32, (16, 16)) on rank(s) "
                                                    "[1, 2] differs from rank 0's by up to"), ddp[-3000:]
     assert "fc1" not in message.group(1), message.group(1)  # DDP's broadcast made the parameters equal
+
+
+# --- debug_tools on a job written as PyTorch's DDP tutorial writes one ---
+SPAWN = "tests/workers/spawn_train.py"
+
+
+@pytest.mark.slow
+def test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_workers(tmp_path):
+    """tests/workers/spawn_train.py (mp.spawn, so no RANK in the ranks' environment; 2 DataLoader workers per rank;
+    BatchNorm under DDP; check_replicas every 4 steps), three runs at once:
+    - mp.spawn, rank 0 alone in a barrier: `stacks` from mp.spawn's parent finds both ranks, each labelled with its
+      rank, and their workers; from a worker's pid, the same, the worker named as such, no "run this on every node";
+      from `sleep`, one line; under a venv's python (not activated) with py-spy beside it, found; with py-spy hidden,
+      one line that says how to get it and what faulthandler does instead. check_replicas at step 0, after a step:
+      quiet, BatchNorm's statistics reported as what DDP overwrites (broadcast_buffers=True).
+    - the same under torchrun: a worker's pid (RANK inherited) is a worker of its rank, both ranks found.
+    - mp.spawn, a resume in which rank 0 alone loads the optimizer's state, broadcast_buffers=False: the error
+      counts every difference, the optimizer's state listed before the parameters, then BatchNorm's statistics."""
+    import importlib.util
+
+    import torch
+    sys.path.insert(0, str(launch.REPO))  # spawn_train imports debug_tools, as the job's own PYTHONPATH has it
+    spec = importlib.util.spec_from_file_location("spawn_train", launch.REPO / SPAWN)
+    spawn_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(spawn_train)
+    torch.manual_seed(1)  # the checkpoint: one step of the tutorial's model and optimizer
+    model = spawn_train.ToyModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model(torch.randn(16, 10)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ckpt.pt")
+    hidden, path = venv_python(tmp_path)
+    beside, _ = venv_python(tmp_path, py_spy=True)
+
+    def spawned(launcher, pids, d):
+        with subprocess.Popen(["sleep", "60"]) as sleep:
+            not_a_rank = tool("stacks", str(sleep.pid))
+            sleep.kill()
+        return pids, {"launcher": tool("stacks", str(launcher)), "worker": tool("stacks", pids["1.0"]),
+                      "sleep": not_a_rank, "beside": tool("stacks", pids["1"], python=beside, PATH=path),
+                      "hidden": tool("stacks", str(launcher), python=hidden, PATH=path)}
+
+    def hung(out, d):  # rank 0 in its barrier, rank 1 past step 1, both ranks' workers up
+        return "rank 0 step 1 " in out and "rank 1 step 1 " in out and len(re.findall(r" worker \d pid ", out)) == 4
+    runs = {"mp.spawn": lambda: reader_job(None, ["--bug", "rank0-barrier", "--port", str(launch.free_port())],
+                                           hung, spawned, script=SPAWN),
+            "torchrun": lambda: reader_job(2, ["--bug", "rank0-barrier"], hung, lambda launcher, pids, d:
+                                           (pids, {"worker": tool("stacks", pids["0.1"])}), script=SPAWN),
+            "resume": lambda: launch.run([sys.executable, SPAWN, "--bug", "resume-rank0", "--ckpt",
+                                          str(tmp_path / "ckpt.pt"), "--no-broadcast-buffers", "--port",
+                                          str(launch.free_port())], timeout=300,
+                                         env=launch.make_env(PYTHONPATH=launch.REPO))}
+    with ThreadPoolExecutor(len(runs)) as pool:
+        results = dict(zip(runs, pool.map(lambda run: run(), runs.values())))
+
+    out, found = results["mp.spawn"]
+    assert found, f"mp.spawn: the job never hung as planned\n{out[-3000:]}"
+    pids, stacks = found
+    ranks = f"2 rank(s) of 2 on this machine (no RANK in their environment: ranks read from `rank` in demo_basic): " \
+            f"rank 0 pid {pids['0']}, rank 1 pid {pids['1']}\n"
+    for how in ("launcher", "worker", "beside"):
+        assert ranks in stacks[how] and "every node" not in stacks[how], f"{how}: {stacks[how]}"
+        assert re.search(r"demo_basic \(spawn_train.py:\d+\) in barrier", where(stacks[how], 0)), stacks[how]
+        assert "demo_basic (spawn_train.py:" in where(stacks[how], 1), stacks[how]
+    assert f"{pids['0.0']}, {pids['0.1']} of rank 0; " in stacks["launcher"] or \
+        f"{pids['0.1']}, {pids['0.0']} of rank 0; " in stacks["launcher"], stacks["launcher"]
+    assert stacks["worker"].startswith(f"pid {pids['1.0']} is a child process of the rank with pid {pids['1']} "
+                                       "(a DataLoader worker, say), not a rank"), stacks["worker"]
+    assert re.fullmatch(r"error: pid \d+ \(sleep\) is no training process: [^\n]*\n", stacks["sleep"]), stacks["sleep"]
+    assert stacks["hidden"].startswith(f"error: py-spy not found (not on PATH, nor beside {hidden}): pip install "
+                                       "py-spy. Without it: ") and stacks["hidden"].count("\n") == 1, stacks["hidden"]
+    assert "kill -USR1 PID" in stacks["hidden"] and "PYTHONFAULTHANDLER=1" in stacks["hidden"], stacks["hidden"]
+    for rank in (0, 1):  # check_replicas after a step of a correct DDP + BatchNorm job: no error
+        assert f"rank {rank} replicas identical on 2 ranks: " in out and "2 buffer(s) differ by design: DDP " \
+            "(broadcast_buffers=True) overwrites them with rank 0's as its next forward starts" in out, out[-3000:]
+
+    out, found = results["torchrun"]
+    assert found, f"torchrun: the job never hung as planned\n{out[-3000:]}"
+    pids, stacks = found
+    assert stacks["worker"].startswith(f"pid {pids['0.1']} is a child process of the rank with pid {pids['0']} "
+                                       "(a DataLoader worker, say)"), stacks["worker"]
+    assert f"\n2 rank(s) of 2 on this machine: rank 0 pid {pids['0']}, rank 1 pid {pids['1']}\n" in stacks["worker"]
+    assert re.search(r"demo_basic \(spawn_train.py:\d+\) in barrier", where(stacks["worker"], 0)), stacks["worker"]
+
+    res = results["resume"]
+    assert not res.timed_out and res.returncode != 0, res.output[-3000:]
+    lines = res.output[res.output.find("ReplicasDiffer: "):].splitlines()
+    assert lines[0] == "ReplicasDiffer: replicas differ in 14 places (optimizer state 6, parameters 6, buffers 2), " \
+        "the optimizer's state and settings first: they make the parameters drift a step later", res.output[-3000:]
+    assert all(ln.startswith("  optimizer state[module.") for ln in lines[1:4]), lines
+    assert lines[4] == "  ... 3 more optimizer state (the exception's .differences lists all)", lines
+    assert lines[5].startswith("  module.net1.weight (float32, (10, 10)) on rank(s) [1] differs"), lines
+    assert lines[9].startswith("  module.bn.running_mean (float32, (10,)) on rank(s) [1] differs"), lines
+    assert "DDP with broadcast_buffers=False (or forward_sync_buffers=False) does not copy them" in lines[11], lines
