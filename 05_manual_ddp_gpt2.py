@@ -2,15 +2,14 @@
 
 What it teaches, in reading order: average_gradients, the tutorial's version, and why it is slow; then DDPCore, what
 torch.nn.parallel.DistributedDataParallel does, bit for bit, in the order a step runs; then a train.py as nanoGPT's
-for any Hugging Face causal LM (--impl naive or torch: with those instead), with checkpoints that resume bit for bit.
-ddp_dropin.py builds ManualDDP, the drop-in for PyTorch's DDP (hooks, join, unused parameters, ...), on DDPCore.
+for any Hugging Face causal LM (--impl naive or torch: with those instead): a held-out loss, MFU on a GPU, and
+checkpoints that resume bit for bit. ddp_dropin.py builds ManualDDP, the drop-in for PyTorch's DDP, on DDPCore.
 
-Run it (the default trains a 0.84M-parameter GPT-2 offline, on Python's own standard library sources):
-  CPU:        torchrun --nproc_per_node=4 05_manual_ddp_gpt2.py    (one process: python 05_manual_ddp_gpt2.py)
-  N GPUs:     torchrun --nproc_per_node=N 05_manual_ddp_gpt2.py --model gpt2 --dataset wikitext \\
-                  --dataset-config wikitext-2-raw-v1 --seq-len 512 --compile
-  2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 \\
-                  05_manual_ddp_gpt2.py --out ckpt      (ckpt on a disk both nodes see; restarts: docs/checkpoints.md)
+  CPU:     torchrun --nproc_per_node=4 05_manual_ddp_gpt2.py    (a 0.84M-parameter GPT-2 on Python's own sources)
+  N GPUs:  torchrun --nproc_per_node=N 05_manual_ddp_gpt2.py --model gpt2 --dataset wikitext:wikitext-2-raw-v1 \\
+               --seq-len 512 --compile
+  2 nodes: torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 \\
+               05_manual_ddp_gpt2.py --out ckpt      (ckpt on a disk both nodes see; restarts: docs/checkpoints.md)
 """
 
 import argparse
@@ -22,7 +21,6 @@ import math
 import os
 import pathlib
 import shutil
-import signal
 import time
 import weakref
 from datetime import timedelta
@@ -32,9 +30,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 # --- settings beyond the flags ---
-ADAMW_BETAS = (0.9, 0.95)  # GPT-2's (and nanoGPT's); PyTorch's default 0.999 reacts slower to a changing loss
+ADAMW_BETAS, WEIGHT_DECAY, CLIP_NORM = (0.9, 0.95), 0.1, 1.0  # GPT-2's, as nanoGPT's (PyTorch's betas: 0.9, 0.999)
 LR_FLOOR = 0.1  # the cosine schedule ends at this fraction of --lr
 SEED_STRIDE = 7919  # dropout seed = seed + stride * step + rank: a prime, so no two (step, rank) pairs share one
+VAL_FRACTION, VAL_BATCHES = 0.1, 8  # the corpus' last tenth is held out; each rank evaluates <= 8 batches of it
+PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312}  # dense bf16, by the GPU's name, for MFU
 
 
 # --- the idea, naive: what a tutorial writes ---
@@ -227,7 +227,7 @@ def broadcast_coalesced(tensors, src, group):
                 t.copy_(part.view_as(t))
 
 
-# --- data: a tokenizer and a corpus that need no download ---
+# --- data and model: any text, any Hugging Face causal LM ---
 def byte_tokenizer():
     """A byte-level tokenizer (256 bytes + end-of-text): nothing to download, any text encodes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -240,9 +240,10 @@ def byte_tokenizer():
 
 
 def load_tokens(args, tok):
-    """One token stream, documents ended by end-of-text: Python's sources (offline), local files, or a hub dataset."""
+    """(training, held-out) tokens, documents ended by end-of-text: Python's sources (40 files), local files (a
+    directory, a file or a glob) or a hub dataset (NAME or NAME:CONFIG). The last tenth is held out."""
     if args.dataset == "stdlib":
-        files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[: args.stdlib_files]
+        files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:40]
     else:  # a directory (every file under it), a file or a glob; if none matches, a hub dataset's name
         pattern = os.path.join(args.dataset, "**", "*") if os.path.isdir(args.dataset) else args.dataset
         files = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
@@ -251,12 +252,13 @@ def load_tokens(args, tok):
     else:  # every rank asks at once: the datasets cache takes one download, under a file lock
         import datasets
         datasets.disable_progress_bars()
-        texts = datasets.load_dataset(args.dataset, args.dataset_config, split=args.split)[args.text_column]
-    texts = [t for t in texts if t]
-    if not texts:  # else an IndexError deep inside the tokenizer
+        name, _, config = args.dataset.partition(":")
+        texts = datasets.load_dataset(name, config or None, split="train")["text"]
+    if not any(texts):  # else an IndexError deep inside the tokenizer
         raise UsageError(f"--dataset {args.dataset} is empty: no text to train on")
-    rows = tok(texts, add_special_tokens=False)["input_ids"]
-    return torch.tensor([i for row in rows for i in row + [tok.eos_token_id]])
+    ids = [i for row in tok(texts, add_special_tokens=False)["input_ids"] for i in row + [tok.eos_token_id]]
+    held = len(ids) // 10
+    return torch.tensor(ids[: len(ids) - held]), torch.tensor(ids[len(ids) - held:])
 
 
 def batches_from(data, per_epoch, args, micro):
@@ -271,25 +273,22 @@ def batches_from(data, per_epoch, args, micro):
             micro += 1
 
 
-# --- model ---
 def build_model(args):
     """(tokenizer, model) in float32 (the master weights): --model (hub or directory), else a small GPT-2."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, logging
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, logging
     logging.set_verbosity_error()  # long documents trigger a harmless length warning
     logging.disable_progress_bar()  # no bar from each rank
-    if args.model:
-        tok, model = AutoTokenizer.from_pretrained(args.model), AutoModelForCausalLM.from_pretrained(args.model)
-    else:
-        tok = byte_tokenizer()
-        torch.manual_seed(args.seed)  # the same weights on every rank (DDPCore broadcasts rank 0's anyway)
-        # gelu_pytorch_tanh: GPT-2's gelu_new as one fused kernel instead of ~8 on a GPU.
-        model = GPT2LMHeadModel(GPT2Config(
-            vocab_size=len(tok), n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_pytorch_tanh",
-            bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id))
-    positions = getattr(model.config, "max_position_embeddings", args.seq_len)  # GPT-2's n_positions too
-    if args.seq_len > positions:  # else an IndexError deep in the model at the first forward
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions")
+    tok = AutoTokenizer.from_pretrained(args.model) if args.model else byte_tokenizer()
+    config = AutoConfig.from_pretrained(args.model) if args.model else GPT2Config(
+        vocab_size=len(tok), n_positions=args.seq_len, n_embd=128, n_layer=4, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    for key in ("activation_function", "hidden_act"):  # GPT-2's gelu_new: the same function in 1 kernel, not ~8
+        if getattr(config, key, None) == "gelu_new":
+            setattr(config, key, "gelu_pytorch_tanh")
+    torch.manual_seed(args.seed)  # the same weights on every rank (DDPCore broadcasts rank 0's anyway)
+    model = AutoModelForCausalLM.from_pretrained(args.model, config=config) if args.model else GPT2LMHeadModel(config)
+    if args.seq_len > getattr(config, "max_position_embeddings", args.seq_len):  # GPT-2's n_positions too
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions")
     return tok, model.float()
 
 
@@ -301,41 +300,63 @@ def compile_blocks(model, backend="inductor"):
     return len(blocks)
 
 
+def cross_entropy(logits, targets):
+    """The mean loss in float32. --compile compiles it as a region of its own, after the last block's: the cast then
+    fuses into the loss's kernels, and no float32 copy of the logits (50,257 columns for GPT-2) is written."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def next_token_loss(net, batch, args, loss=cross_entropy):
+    """Each position predicts the next token: the loss of the logits of batch[:, :-1] against batch[:, 1:]."""
+    with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+        logits = net(input_ids=batch[:, :-1], use_cache=False).logits  # no KV cache to build while training
+    return loss(logits, batch[:, 1:])
+
+
 # --- training ---
-def wrap(model, impl, args, device):
+def wrap(model, impl, device, bucket_cap_mb=None):
     """The model as each --impl trains it: DDPCore, PyTorch's DDP (same bucket size), or the naive tutorial's."""
     if impl == "manual":
-        return DDPCore(model, bucket_cap_mb=args.bucket_cap_mb)
+        return DDPCore(model, bucket_cap_mb=bucket_cap_mb)
     if impl == "torch":
         device_ids = [device.index] if device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=args.bucket_cap_mb)
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
     broadcast_coalesced(list(model.parameters()) + list(model.buffers()), 0, dist.group.WORLD)
     return model  # naive: rank 0's weights (as DDPCore's constructor), average_gradients after each backward
 
 
-def lr_factor(step, args):
-    """Linear warm-up, then cosine decay to LR_FLOOR of --lr, over --max-steps."""
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
-    cosine = LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
-    return (step + 1) / args.warmup_steps if step < args.warmup_steps else cosine
+def evaluate(model, val, args, loss):
+    """The held-out loss: every rank its own share, as many batches as the others, so the mean of all ranks' batch
+    means is the mean over all of them. The bare model: no gradients, nothing to sync."""
+    total = torch.zeros((), device=next(model.parameters()).device)
+    with torch.no_grad():
+        for batch in val[RANK::WORLD].split(args.batch_size):
+            total += next_token_loss(model.eval(), batch.to(total.device), args, loss)  # eval(): no dropout
+    dist.all_reduce(total)  # the SUM of every rank's batch means
+    model.train()
+    return total.item() / (len(val) // args.batch_size)
 
 
 def train(args, device, state):
-    """Train from `state` (a checkpoint, or None), then check the replicas and save the model."""
+    """Train from `state` (a checkpoint, or None), then check the replicas, save the model and sample from it."""
     tok, model = build_model(args)
-    ids = load_tokens(args, tok)
-    per_epoch = (len(ids) - 1) // args.seq_len // WORLD // args.batch_size  # micro-batches per rank per epoch
-    if per_epoch < 1:
-        raise UsageError(f"the dataset has {len(ids):,} tokens: too few for {WORLD} ranks x --batch-size "
-                         f"{args.batch_size} x --seq-len {args.seq_len}")
-    data = ids.unfold(0, args.seq_len + 1, args.seq_len)  # seq_len inputs and the next token: targets one later
-    print0(f"data: {len(ids):,} tokens, {len(data):,} blocks of {args.seq_len}, {per_epoch} micro-batches "
-           f"per rank per epoch | model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    model.to(device)
-    if args.compile:
-        print0(f"compiling {compile_blocks(model)} blocks one by one (the first steps wait for it)")
-    ddp = wrap(model, args.impl, args, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=ADAMW_BETAS, weight_decay=args.weight_decay,
+    train_ids, val_ids = load_tokens(args, tok)
+    per_epoch = (len(train_ids) - 1) // args.seq_len // WORLD // args.batch_size  # micro-batches per rank per epoch
+    n_val = min(VAL_BATCHES, (len(val_ids) - 1) // args.seq_len // WORLD // args.batch_size) * WORLD * args.batch_size
+    if min(per_epoch, n_val) < 1:
+        raise UsageError(f"the dataset has {len(train_ids) + len(val_ids):,} tokens (a tenth held out): too few for "
+                         f"{WORLD} ranks x --batch-size {args.batch_size} x --seq-len {args.seq_len}")
+    data = train_ids.unfold(0, args.seq_len + 1, args.seq_len)  # seq_len inputs and the next token: targets one later
+    val = val_ids.unfold(0, args.seq_len + 1, args.seq_len)[:n_val]
+    n_params = sum(p.numel() for p in model.parameters())  # tied weights once
+    print0(f"data: {len(train_ids):,} tokens, {per_epoch} micro-batches per rank per epoch, {n_val} held-out blocks "
+           f"| model: {n_params / 1e6:.2f}M parameters")
+    loss = cross_entropy
+    if args.compile:  # regions, not the whole model: one backward for all would hold every bucket back to its end
+        print0(f"compiling {compile_blocks(model)} blocks and the loss, one by one (the first steps wait for it)")
+        loss = torch.compile(loss)
+    ddp = wrap(model.to(device), args.impl, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY,
                             fused=device.type == "cuda")  # on the CPU, the per-tensor loop the tests check
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
     start = state["step"] if state else 0
@@ -345,50 +366,32 @@ def train(args, device, state):
         sched.load_state_dict(state["scheduler"])
         print0(f"resumed from {os.path.join(args.out, f'checkpoint-{start}')} at step {start}")
     batches = batches_from(data, per_epoch, args, start * args.grad_accum)
-    if args.profile:  # steps 3-5, a trace per rank, for benchmarks/overlap.py to read
-        os.makedirs(args.profile, exist_ok=True)
-        profiler = torch.profiler.profile(
-            schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
-            on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(args.profile, f"trace_rank{RANK}.json")))
-        profiler.start()
-        opt.register_step_post_hook(lambda *_: profiler.step())  # a profiler step ends with each optimizer step
+    # MFU: 6 FLOPs a weight per token (forward and backward) plus attention's, against the GPU's peak (as nanoGPT).
+    flops = 6 * n_params + 12 * model.config.num_hidden_layers * model.config.hidden_size * args.seq_len
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
+    peak = next((tflops * 1e12 for name, tflops in PEAK_TFLOPS.items() if name in gpu), None)
     losses, first_loss, last_loss, t_log = [], None, None, time.perf_counter()
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * WORLD
-    model.train()
+    model.train()  # from_pretrained returns a model in eval mode: dropout off
     for step in range(start, args.max_steps):
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if step == args.crash_at_step and RANK == WORLD - 1 and first_attempt:
-            print(f"[rank {RANK}/{WORLD}] --crash-at-step {step}: SIGKILL to myself\n", end="", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
         # Dropout masks differ across ranks as the data does, and a resumed run replays them: no RNG state saved.
         torch.manual_seed(args.seed + SEED_STRIDE * step + RANK)
         step_loss = torch.zeros((), device=device)
         for micro in range(args.grad_accum):
-            batch = next(batches).to(device, non_blocking=True)
             # Sync on the last micro-batch only (the flag no_sync() sets; nanoGPT writes it directly too).
             if args.impl != "naive":
                 ddp.require_backward_grad_sync = micro == args.grad_accum - 1
-            # use_cache=False: no KV cache to build in training (under --compile each block would recompile).
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-                logits = ddp(input_ids=batch[:, :-1], use_cache=False).logits
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-            (loss / args.grad_accum).backward()
-            step_loss += loss.detach() / args.grad_accum
+            micro_loss = next_token_loss(ddp, next(batches).to(device, non_blocking=True), args, loss)
+            (micro_loss / args.grad_accum).backward()
+            step_loss += micro_loss.detach() / args.grad_accum
         if args.impl == "naive":
             average_gradients(model, WORLD)
         # Every .grad already holds the mean over ranks: clipping sees the global gradient, alike on every rank.
-        if args.max_grad_norm > 0:
-            nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(step_loss)
-        # The end of training is a checkpoint too: a larger --max-steps continues from it.
-        if args.out and ((step + 1) % args.ckpt_every == 0 or step + 1 == args.max_steps):
-            if RANK == 0:  # every replica holds the same state: global rank 0 alone writes it
-                save_checkpoint(args.out, step + 1, {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                                     "scheduler": sched.state_dict(), "step": step + 1})
-            print0(f"saved {args.out}/checkpoint-{step + 1}")
         if (step + 1) % args.log_every == 0 or step in (start, args.max_steps - 1):
             mean = torch.stack(losses).mean()
             dist.all_reduce(mean)  # every rank's loss, not rank 0's alone: the SUM of the means, / N below
@@ -397,9 +400,20 @@ def train(args, device, state):
                 raise UsageError(f"training diverged: loss {last_loss} at step {step + 1} (try a smaller --lr)")
             first_loss = last_loss if first_loss is None else first_loss
             dt = (time.perf_counter() - t_log) / len(losses)
+            mfu = f" | MFU {100 * tokens_per_step / dt * flops / WORLD / peak:.1f}%" if peak else ""
             print0(f"step {step + 1:>5}/{args.max_steps} | loss {last_loss:7.4f} | lr {sched.get_last_lr()[0]:.2e} "
-                   f"| {dt * 1e3:7.1f} ms/step | {tokens_per_step / dt:9,.0f} tok/s")
+                   f"| {dt * 1e3:7.1f} ms/step | {tokens_per_step / dt:9,.0f} tok/s{mfu}")
             losses, t_log = [], time.perf_counter()
+        # Every --eval-every steps (nanoGPT's eval_interval), and at the end: the held-out loss and a checkpoint.
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps:
+            paused = time.perf_counter()
+            if args.eval_every:
+                print0(f"step {step + 1:>5}/{args.max_steps} | val loss {evaluate(model, val, args, loss):7.4f}")
+            if args.out and RANK == 0:  # every replica holds the same state: global rank 0 alone writes it
+                save_checkpoint(args.out, step + 1, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                                     "scheduler": sched.state_dict(), "step": step + 1})
+                print(f"saved {args.out}/checkpoint-{step + 1}", flush=True)
+            t_log += time.perf_counter() - paused  # not training time
     # Identical gradients on identical weights keep the replicas identical: check it, bit for bit.
     mine = torch.cat([p.detach().flatten().float() for p in model.parameters()])
     rank0 = mine.clone()
@@ -412,15 +426,21 @@ def train(args, device, state):
         print0(f"saved model and tokenizer to {args.out} (AutoModelForCausalLM.from_pretrained loads it)")
     if RANK == 0 and args.sample_tokens > 0:  # a sample: a new document, within the model's context
         torch.manual_seed(args.seed)
-        context = getattr(model.config, "max_position_embeddings", 1024)
+        n = min(args.sample_tokens, getattr(model.config, "max_position_embeddings", 1024) - 1)
         out = model.eval().generate(torch.tensor([[tok.eos_token_id]], device=device), do_sample=True, top_k=20,
-                                    temperature=0.8, max_new_tokens=min(args.sample_tokens, context - 1),
-                                    pad_token_id=tok.eos_token_id)
+                                    temperature=0.8, max_new_tokens=n, pad_token_id=tok.eos_token_id)
         print0("sample:\n" + tok.decode(out[0], skip_special_tokens=True) + "\n")
     if differs.item():
         raise RuntimeError(f"replicas diverged: {differs.item():.0f} rank(s)' weights differ from rank 0's")
     trend = "fell" if last_loss < first_loss else "did NOT fall"
     print0(f"OK {args.impl} DDP on {WORLD} ranks: replicas identical; loss {trend} {first_loss:.4f} -> {last_loss:.4f}")
+
+
+def lr_factor(step, args):
+    """Linear warm-up, then cosine decay to LR_FLOOR of --lr, over --max-steps."""
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    cosine = LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
+    return (step + 1) / args.warmup_steps if step < args.warmup_steps else cosine
 
 
 def main(args):
@@ -429,116 +449,78 @@ def main(args):
         args.precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     if device.type == "cuda":  # TF32 matmuls: float32's range, 10-bit mantissa, tensor-core speed
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    wrapper = dict(manual="DDPCore", naive="average_gradients", torch="DistributedDataParallel")[args.impl]
-    print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} impl={args.impl} ({wrapper}) "
+    print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} impl={args.impl} "
            f"precision={args.precision} torch={torch.__version__}")
-    state = None
-    if args.out:
-        claim(args.out, os.path.basename(__file__))
-        state = load_newest(args.out)
-        if state and state["step"] >= args.max_steps:
-            print0(f"OK nothing to train: {args.out} holds step {state['step']} of --max-steps {args.max_steps}")
-            return
+    state = load_newest(args.out, os.path.basename(__file__)) if args.out else None
+    if state and state["step"] >= args.max_steps:
+        print0(f"OK nothing to train: {args.out} holds step {state['step']} of --max-steps {args.max_steps}")
+        return
     train(args, device, state)
 
 
 # --- checkpoints: the same block in 05, 06 and 08 ---
-def claim(out, script):
-    """Make --out this script's, or stop every rank: a run writes only into a directory that is new, empty, or
-    written by an earlier run of the same script (its mark, `.written-by`, says so); never over anything else."""
-    error = [None]
-    if RANK == 0:  # global rank 0 alone writes files (all ranks hold the same state, and N writers would collide)
+def load_newest(out, script):
+    """Claim --out, then the newest checkpoint in it that loads (None if none), on every rank. Global rank 0 decides:
+    a run writes only into an --out that is new, empty or its script's (`.written-by` says so), never over others'."""
+    said, mark = [None, None], os.path.join(out, ".written-by")  # [why not, the checkpoint every rank loads]
+    if RANK == 0:  # global rank 0 alone touches files: every rank holds the same state, N writers would collide
         os.makedirs(out, exist_ok=True)
-        mark = os.path.join(out, ".written-by")
-        theirs = open(mark).read() if os.path.exists(mark) else None
-        if theirs is None and os.listdir(out):
-            error[0] = f"--out {out} holds files that no run of {script} wrote: pick a new or empty directory"
-        elif theirs not in (None, script):
-            error[0] = f"--out {out} was written by {theirs}: pick another --out"
-        elif theirs is None:
-            with open(mark, "w") as f:
-                f.write(script)
-    dist.broadcast_object_list(error, src=0)  # every rank stops alike
-    if error[0]:
-        raise UsageError(error[0])
-
-
-def checkpoints(out):  # the checkpoint-STEP directories in out, oldest first
-    names = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d[len("checkpoint-"):].isdigit()]
-    return sorted(names, key=lambda d: int(d[len("checkpoint-"):]))
-
-
-def load_newest(out):
-    """The state of the newest checkpoint in --out that loads, on every rank, or None. Global rank 0 chooses, so
-    that all ranks resume from the same step; one that does not load (a disk fault) is renamed aside and skipped."""
-    choice = [None]
-    for name in reversed(checkpoints(out) if RANK == 0 else []):
-        path = os.path.join(out, name, "state.pt")
-        try:
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            choice[0] = path
-            break
-        except Exception as e:
-            shutil.rmtree(os.path.join(out, f"{name}.damaged"), ignore_errors=True)  # an older damaged copy of it
-            os.replace(os.path.join(out, name), os.path.join(out, f"{name}.damaged"))
-            print0(f"warning: {path} does not load ({type(e).__name__}): renamed {name}.damaged, skipped")
-    dist.broadcast_object_list(choice, src=0)
+        if os.listdir(out) and not (os.path.exists(mark) and open(mark).read() == script):
+            said[0] = f"--out {out} holds files that no run of {script} wrote: pick a new or empty directory"
+        else:
+            open(mark, "w").write(script)
+            for ckpt in reversed(checkpoints(out)):
+                try:
+                    torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=True, mmap=True)
+                    said[1] = os.path.join(ckpt, "state.pt")
+                    break
+                except Exception as e:  # a disk fault: kept aside, skipped
+                    print0(f"warning: {ckpt}/state.pt does not load ({type(e).__name__}): renamed {ckpt}.damaged")
+                    shutil.rmtree(f"{ckpt}.damaged", ignore_errors=True)  # an older damaged copy of it
+                    os.replace(ckpt, f"{ckpt}.damaged")
+    dist.broadcast_object_list(said, src=0)  # every rank stops, or resumes from the same step, alike
+    if said[0]:
+        raise UsageError(said[0])
     # Mapped, not read: a rank reads only the pages it uses. Several nodes need rank 0's --out on a shared disk.
-    return None if choice[0] is None else torch.load(choice[0], map_location="cpu", weights_only=True, mmap=True)
+    return None if said[1] is None else torch.load(said[1], map_location="cpu", weights_only=True, mmap=True)
+
+
+def checkpoints(out):  # out/checkpoint-STEP, oldest first
+    steps = sorted(int(d[11:]) for d in os.listdir(out) if d.startswith("checkpoint-") and d[11:].isdigit())
+    return [os.path.join(out, f"checkpoint-{s}") for s in steps]
 
 
 def save_checkpoint(out, step, state, keep=2):
-    """Global rank 0 only. Written aside, flushed to disk, then renamed into place: a crash mid-write leaves the
-    previous checkpoints as they were, never a half-written one under a checkpoint-STEP name."""
-    tmp = os.path.join(out, f".tmp-checkpoint-{step}")
-    shutil.rmtree(tmp, ignore_errors=True)  # what an earlier crash left mid-write
-    os.makedirs(tmp)
-    with open(os.path.join(tmp, "state.pt"), "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(out, f"checkpoint-{step}"))
+    """Global rank 0 only: written aside, then renamed into place (never half a checkpoint); the newest `keep` kept."""
+    os.makedirs(os.path.join(out, ".tmp-checkpoint"), exist_ok=True)  # or left by a crash mid-write: overwritten
+    torch.save(state, os.path.join(out, ".tmp-checkpoint", "state.pt"))
+    os.replace(os.path.join(out, ".tmp-checkpoint"), os.path.join(out, f"checkpoint-{step}"))
     for old in checkpoints(out)[:-keep]:
-        shutil.rmtree(os.path.join(out, old))
+        shutil.rmtree(old)
 
 
 # --- command line ---
 def parse_args(argv=None):
     p = Parser(__doc__, timeout_s=300)
-    count, nonnegative = at_least(1), at_least(0.0, float)
+    count = at_least(1)
     g = p.add_argument_group("model, data, training, output")
     g.add_argument("--model", default=None, help="HF causal LM name or local dir; default: a small GPT-2 from scratch")
-    g.add_argument("--n-layer", type=count, default=4, help="default model only")
-    g.add_argument("--n-embd", type=count, default=128, help="default model only")
-    g.add_argument("--n-head", type=count, default=4, help="default model only")
     g.add_argument("--dataset", default="stdlib", help="'stdlib' (Python's sources), local dir/file/glob, or HF name")
-    g.add_argument("--dataset-config", default=None, help="HF dataset config, e.g. wikitext-2-raw-v1")
-    g.add_argument("--split", default="train", help="HF dataset split")
-    g.add_argument("--text-column", default="text", help="column holding the text")
-    g.add_argument("--stdlib-files", type=count, default=40, help="how many stdlib .py files --dataset stdlib reads")
     g.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual", help="DDPCore, naive, PyTorch's")
-    g.add_argument("--bucket-cap-mb", type=at_least(1e-6, float), default=None, help="default: DDP's (25, first 1)")
+    g.add_argument("--compile", action="store_true", help="torch.compile each block and the loss (overlap kept)")
+    g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on a GPU with it")
     g.add_argument("--batch-size", type=count, default=4, help="sequences per rank per micro-batch")
-    g.add_argument("--grad-accum", type=count, default=1, help="micro-batches per optimizer step (no_sync between)")
     g.add_argument("--seq-len", type=count, default=128, help="tokens per sequence")
+    g.add_argument("--grad-accum", type=count, default=1, help="micro-batches per optimizer step (no_sync between)")
     g.add_argument("--max-steps", type=count, default=200, help="optimizer steps")
     g.add_argument("--lr", type=at_least(1e-12, float), default=2e-3, help="peak learning rate")
     g.add_argument("--warmup-steps", type=at_least(0), default=30, help="linear warm-up steps before cosine decay")
-    g.add_argument("--weight-decay", type=nonnegative, default=0.1, help="AdamW weight decay")
-    g.add_argument("--max-grad-norm", type=nonnegative, default=1.0, help="clip the synced gradient norm (0: off)")
-    g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on a GPU with it")
-    g.add_argument("--compile", action="store_true", help="torch.compile each transformer block (overlap kept)")
-    g.add_argument("--seed", type=at_least(0, below=2**32), default=0, help="model init (same on all ranks), data")
-    g.add_argument("--out", default=None, help="checkpoint dir: resume from it, save to it, final save_pretrained")
-    g.add_argument("--ckpt-every", type=count, default=50, help="steps between checkpoints")
     g.add_argument("--log-every", type=count, default=25, help="steps between loss lines")
-    g.add_argument("--profile", default=None, help="write a torch.profiler trace of steps 3-5 per rank here")
+    g.add_argument("--eval-every", type=at_least(0), default=50, help="steps between held-out losses and checkpoints")
     g.add_argument("--sample-tokens", type=at_least(0), default=120, help="tokens generated at the end (0: none)")
-    g.add_argument("--crash-at-step", type=int, default=-1, help="SIGKILL the last rank here, on the first attempt")
-    args = p.parse_args(argv)
-    if args.n_embd % args.n_head:
-        p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head}")
-    return args
+    g.add_argument("--out", default=None, help="checkpoint dir: resume from it, save to it, final save_pretrained")
+    g.add_argument("--seed", type=at_least(0, below=2**32), default=0, help="model init (same on all ranks), data")
+    return p.parse_args(argv)
 
 
 # --- setup: the same block in every numbered script, copied (not imported) so that each file runs on its own ---

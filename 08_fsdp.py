@@ -542,8 +542,8 @@ def main(args):
         raise UsageError(f"--seq-len {args.seq_len} is longer than the text ({len(text):,} bytes)")
     ckpt = None
     if args.out:
-        claim(args.out, os.path.basename(__file__))
-        ckpt = load_newest(args.out)  # full tensors: written by any number of ranks, resharded onto these
+        # Full tensors: written by any number of ranks, resharded onto these.
+        ckpt = load_newest(args.out, os.path.basename(__file__))
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)  # each rank writes its own trace there
     if ckpt:
@@ -638,63 +638,44 @@ def same_bits(a, b):
 
 
 # --- checkpoints: the same block in 05, 06 and 08 ---
-def claim(out, script):
-    """Make --out this script's, or stop every rank: a run writes only into a directory that is new, empty, or
-    written by an earlier run of the same script (its mark, `.written-by`, says so); never over anything else."""
-    error = [None]
-    if RANK == 0:  # global rank 0 alone writes files (all ranks hold the same state, and N writers would collide)
+def load_newest(out, script):
+    """Claim --out, then the newest checkpoint in it that loads (None if none), on every rank. Global rank 0 decides:
+    a run writes only into an --out that is new, empty or its script's (`.written-by` says so), never over others'."""
+    said, mark = [None, None], os.path.join(out, ".written-by")  # [why not, the checkpoint every rank loads]
+    if RANK == 0:  # global rank 0 alone touches files: every rank holds the same state, N writers would collide
         os.makedirs(out, exist_ok=True)
-        mark = os.path.join(out, ".written-by")
-        theirs = open(mark).read() if os.path.exists(mark) else None
-        if theirs is None and os.listdir(out):
-            error[0] = f"--out {out} holds files that no run of {script} wrote: pick a new or empty directory"
-        elif theirs not in (None, script):
-            error[0] = f"--out {out} was written by {theirs}: pick another --out"
-        elif theirs is None:
-            with open(mark, "w") as f:
-                f.write(script)
-    dist.broadcast_object_list(error, src=0)  # every rank stops alike
-    if error[0]:
-        raise UsageError(error[0])
-
-
-def checkpoints(out):  # the checkpoint-STEP directories in out, oldest first
-    names = [d for d in os.listdir(out) if d.startswith("checkpoint-") and d[len("checkpoint-"):].isdigit()]
-    return sorted(names, key=lambda d: int(d[len("checkpoint-"):]))
-
-
-def load_newest(out):
-    """The state of the newest checkpoint in --out that loads, on every rank, or None. Global rank 0 chooses, so
-    that all ranks resume from the same step; one that does not load (a disk fault) is renamed aside and skipped."""
-    choice = [None]
-    for name in reversed(checkpoints(out) if RANK == 0 else []):
-        path = os.path.join(out, name, "state.pt")
-        try:
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            choice[0] = path
-            break
-        except Exception as e:
-            shutil.rmtree(os.path.join(out, f"{name}.damaged"), ignore_errors=True)  # an older damaged copy of it
-            os.replace(os.path.join(out, name), os.path.join(out, f"{name}.damaged"))
-            print0(f"warning: {path} does not load ({type(e).__name__}): renamed {name}.damaged, skipped")
-    dist.broadcast_object_list(choice, src=0)
+        if os.listdir(out) and not (os.path.exists(mark) and open(mark).read() == script):
+            said[0] = f"--out {out} holds files that no run of {script} wrote: pick a new or empty directory"
+        else:
+            open(mark, "w").write(script)
+            for ckpt in reversed(checkpoints(out)):
+                try:
+                    torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=True, mmap=True)
+                    said[1] = os.path.join(ckpt, "state.pt")
+                    break
+                except Exception as e:  # a disk fault: kept aside, skipped
+                    print0(f"warning: {ckpt}/state.pt does not load ({type(e).__name__}): renamed {ckpt}.damaged")
+                    shutil.rmtree(f"{ckpt}.damaged", ignore_errors=True)  # an older damaged copy of it
+                    os.replace(ckpt, f"{ckpt}.damaged")
+    dist.broadcast_object_list(said, src=0)  # every rank stops, or resumes from the same step, alike
+    if said[0]:
+        raise UsageError(said[0])
     # Mapped, not read: a rank reads only the pages it uses. Several nodes need rank 0's --out on a shared disk.
-    return None if choice[0] is None else torch.load(choice[0], map_location="cpu", weights_only=True, mmap=True)
+    return None if said[1] is None else torch.load(said[1], map_location="cpu", weights_only=True, mmap=True)
+
+
+def checkpoints(out):  # out/checkpoint-STEP, oldest first
+    steps = sorted(int(d[11:]) for d in os.listdir(out) if d.startswith("checkpoint-") and d[11:].isdigit())
+    return [os.path.join(out, f"checkpoint-{s}") for s in steps]
 
 
 def save_checkpoint(out, step, state, keep=2):
-    """Global rank 0 only. Written aside, flushed to disk, then renamed into place: a crash mid-write leaves the
-    previous checkpoints as they were, never a half-written one under a checkpoint-STEP name."""
-    tmp = os.path.join(out, f".tmp-checkpoint-{step}")
-    shutil.rmtree(tmp, ignore_errors=True)  # what an earlier crash left mid-write
-    os.makedirs(tmp)
-    with open(os.path.join(tmp, "state.pt"), "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(out, f"checkpoint-{step}"))
+    """Global rank 0 only: written aside, then renamed into place (never half a checkpoint); the newest `keep` kept."""
+    os.makedirs(os.path.join(out, ".tmp-checkpoint"), exist_ok=True)  # or left by a crash mid-write: overwritten
+    torch.save(state, os.path.join(out, ".tmp-checkpoint", "state.pt"))
+    os.replace(os.path.join(out, ".tmp-checkpoint"), os.path.join(out, f"checkpoint-{step}"))
     for old in checkpoints(out)[:-keep]:
-        shutil.rmtree(os.path.join(out, old))
+        shutil.rmtree(old)
 
 
 # --- command line ---

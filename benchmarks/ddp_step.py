@@ -41,10 +41,9 @@ def build(args, device):
 
 
 def flops_per_token(model, seq_len):
-    """Training FLOPs a token, as nanoGPT counts them: 6 per weight (forward and backward) plus attention."""
+    """Training FLOPs a token, as 05's MFU counts them: 6 per weight (forward and backward) plus attention."""
     cfg = model.config
-    weights = sum(p.numel() for n, p in model.named_parameters() if "wpe" not in n and "position" not in n)
-    return 6 * weights + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+    return 6 * sum(p.numel() for p in model.parameters()) + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
 
 
 def peak_mb(fn, device):
@@ -81,17 +80,15 @@ class Runner:
 
     def __init__(self, impl, base, args, device):
         self.impl, self.args, self.device = impl, args, device
-        self.model = copy.deepcopy(base)
-        if args.compile:
+        self.model, self.loss = copy.deepcopy(base), lesson.cross_entropy
+        if args.compile:  # as 05's --compile: each block, and the loss, a region of its own
             lesson.compile_blocks(self.model)
-        self.wrapped = self.model if impl == "none" else lesson.wrap(self.model, impl, args, device)
+            self.loss = torch.compile(self.loss)
+        self.wrapped = self.model if impl == "none" else lesson.wrap(self.model, impl, device, args.bucket_cap_mb)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
-        self.amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
 
     def step(self, batch, probe=False):
-        with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-            logits = self.wrapped(input_ids=batch[:, :-1], use_cache=False).logits
-        nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).backward()
+        lesson.next_token_loss(self.wrapped, batch, self.args, self.loss).backward()
         if self.impl == "naive":
             lesson.average_gradients(self.model, dist.get_world_size())
         if probe:  # what this implementation holds at the optimizer step
@@ -220,23 +217,24 @@ def main(args):
 def parse_args():
     p = lesson.Parser(__doc__)
     p.add_argument("--model-size", choices=list(SIZES), default="small",
-                   help="small: 05's default model (--n-layer/--n-embd/--n-head); 124m: GPT-2 124M's shape")
+                   help="small: 05's default model (4 blocks of 128); 124m: GPT-2 124M's shape")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's bucket size (default: 25, the first 1)")
     p.add_argument("--steps", type=int, default=60, help="timed steps per implementation")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation first")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG of the step times to this file")
     own, rest = p.parse_known_args()
-    if own.steps < 1 or own.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if own.steps < 1 or own.warmup < 0 or (own.bucket_cap_mb is not None and not own.bucket_cap_mb > 0):
+        p.error("--steps must be >= 1, --warmup >= 0 and --bucket-cap-mb > 0")
     for path, flag in ((own.json, "--json"), (own.plot, "--plot")):
         try:
             check_writable(path, flag)
         except OSError as e:
             p.error(str(e))
-    # The model, batch, buckets, precision and --compile flags are 05's own.
+    # The batch, precision and --compile flags are 05's own.
     args = lesson.parse_args(rest + ["--device", own.device, "--timeout-s", str(own.timeout_s)]
                              + (["--backend", own.backend] if own.backend else []))
-    for name in ("model_size", "steps", "warmup", "json", "plot"):
+    for name in ("model_size", "bucket_cap_mb", "steps", "warmup", "json", "plot"):
         setattr(args, name, getattr(own, name))
     return args
 

@@ -25,9 +25,9 @@ def table(tmp):
              ("03_all_reduce.py", ["--timeout-s", "-1"], "both", "argument --timeout-s: must be >= 1"),
              ("04_sampler.py", ["--dataset-size", "0"], "both", "argument --dataset-size: must be >= 1"),
              ("05_manual_ddp_gpt2.py", ["--lr", "0", "--out", out], "both", "argument --lr: must be >="),
-             ("05_manual_ddp_gpt2.py", ["--weight-decay", "-0.1"], "both", "argument --weight-decay: must be >= 0"),
-             ("05_manual_ddp_gpt2.py", ["--max-grad-norm", "nan"], "both", "argument --max-grad-norm: must be >= 0"),
-             ("05_manual_ddp_gpt2.py", ["--bucket-cap-mb", "0"], "both", "argument --bucket-cap-mb: must be >="),
+             ("05_manual_ddp_gpt2.py", ["--eval-every", "-1"], "both", "argument --eval-every: must be >= 0"),
+             ("05_manual_ddp_gpt2.py", ["--grad-accum", "nan"], "both", "argument --grad-accum"),
+             ("05_manual_ddp_gpt2.py", ["--warmup-steps", "-1"], "both", "argument --warmup-steps: must be >="),
              ("05_manual_ddp_gpt2.py", ["--batch-size", "0"], "both", "argument --batch-size: must be >= 1"),
              ("05_manual_ddp_gpt2.py", ["--sample-tokens", "-5"], "both", "argument --sample-tokens: must be >= 0"),
              ("05_manual_ddp_gpt2.py", ["--impl", "fast"], "both", "argument --impl: invalid choice"),
@@ -52,7 +52,7 @@ def table(tmp):
                            "08_fsdp.py")]
     cases += [(name, [flag, value], "both", f"argument {flag}: must be")
               for name, flag, value in (("05_manual_ddp_gpt2.py", "--lr", "inf"), ("05_manual_ddp_gpt2.py",
-                                        "--weight-decay", "inf"), ("05_manual_ddp_gpt2.py", "--bucket-cap-mb", "inf"),
+                                        "--lr", "nan"),
                                         ("06_torch_ddp_resnet.py", "--lr", "inf"), ("07_zero.py", "--lr", "inf"),
                                         ("07_zero.py", "--bucket-cap-mb", "inf"), ("07_zero.py", "--n-embd", "0"),
                                         ("08_fsdp.py", "--lr", "inf"), ("08_fsdp.py", "--clip", "inf"))]
@@ -104,20 +104,20 @@ def test_an_out_is_never_written_by_a_run_that_did_not_write_it(tmp_path):
         for f in files:
             (folder / f).write_bytes(b"someone's work")
     tiny08 = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "2"]
-    cases = [("08_fsdp.py", tiny08 + ["--out", dirs["by05"]], "was written by 05_manual_ddp_gpt2.py"),
+    cases = [("08_fsdp.py", tiny08 + ["--out", dirs["by05"]], "08_fsdp.py"),
              ("06_torch_ddp_resnet.py", ["--dataset", "fake", "--fake-size", "32", "--out", dirs["by05"]],
-              "was written by 05_manual_ddp_gpt2.py"),
-             ("08_fsdp.py", tiny08 + ["--out", dirs["by06"]], "was written by 06_torch_ddp_resnet.py"),
-             ("05_manual_ddp_gpt2.py", ["--out", dirs["by08"]], "was written by 08_fsdp.py"),
-             ("08_fsdp.py", tiny08 + ["--out", dirs["other"]], "holds files that no run of 08_fsdp.py wrote"),
-             ("05_manual_ddp_gpt2.py", ["--out", dirs["other"]], "holds files that no run of 05_manual_ddp_gpt2.py"),
-             ("06_torch_ddp_resnet.py", ["--dataset", "fake", "--out", dirs["other"]],
-              "holds files that no run of 06_torch_ddp_resnet.py wrote")]
+              "06_torch_ddp_resnet.py"),
+             ("08_fsdp.py", tiny08 + ["--out", dirs["by06"]], "08_fsdp.py"),
+             ("05_manual_ddp_gpt2.py", ["--out", dirs["by08"]], "05_manual_ddp_gpt2.py"),
+             ("08_fsdp.py", tiny08 + ["--out", dirs["other"]], "08_fsdp.py"),
+             ("05_manual_ddp_gpt2.py", ["--out", dirs["other"]], "05_manual_ddp_gpt2.py"),
+             ("06_torch_ddp_resnet.py", ["--dataset", "fake", "--out", dirs["other"]], "06_torch_ddp_resnet.py")]
     before = {name: tree(folder) for name, folder in dirs.items()}
     runs = [(name, [*map(str, argv), "--device", "cpu"], "alone", {}) for name, argv, _ in cases]
     results = launch.forked_cases(runs, tmp_path)
-    for (name, argv, message), (code, said) in zip(cases, results):
+    for (name, argv, script), (code, said) in zip(cases, results):
         errors = [ln for ln in said.splitlines() if ln.startswith("error:")]
+        message = f"holds files that no run of {script} wrote: pick a new or empty directory"
         assert code == 2 and len(errors) == 1 and message in errors[0], (name, argv, code, said)
         assert "Traceback" not in said, said
     assert {name: tree(folder) for name, folder in dirs.items()} == before, "a refused run changed an --out"

@@ -57,7 +57,7 @@ def test_05_06_08_share_one_checkpoint_block():
     blocks = {name: re.search(r"^# --- checkpoints: the same block.*?(?=^# --- )", (REPO / name).read_text(),
                               re.S | re.M).group(0) for name in ("05_manual_ddp_gpt2.py", "06_torch_ddp_resnet.py",
                                                                  "08_fsdp.py")}
-    assert len(set(blocks.values())) == 1 and "def claim" in blocks["08_fsdp.py"], "copy the checkpoint block"
+    assert len(set(blocks.values())) == 1 and "def load_newest" in blocks["08_fsdp.py"], "copy the checkpoint block"
 
 
 # (--device, --backend, GPUs on the node, local world size, local rank) -> (device, backend) or what the error says

@@ -1,4 +1,5 @@
-"""Run under torchrun (2 ranks): 05's --compile (each transformer block compiled on its own) for every --impl.
+"""Run under torchrun (2 ranks): 05's --compile (each transformer block, and the loss, compiled on its own) for every
+--impl.
 
 Losses equal eager ones (within float tolerance: compiled kernels may fuse and round differently), replicas stay
 identical, and with DDPCore (the default run's) and ManualDDP a bucket still goes out while backward runs: before
@@ -15,14 +16,14 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import identical_across_ranks, load_script  # noqa: E402
 
 lesson = load_script("05_manual_ddp_gpt2.py")
 dropin = load_script("ddp_dropin.py")
-TINY = ["--n-layer", "2", "--n-embd", "64", "--seq-len", "32", "--batch-size", "4", "--device", "cpu"]
+TINY = ["--seq-len", "32", "--batch-size", "4", "--device", "cpu"]
+BUCKET_MB = 0.05  # several buckets, so that some can go out early
 
 
 def batch(step):
@@ -35,17 +36,18 @@ def watch_input(events, module, inputs):
     inputs[0].register_hook(lambda grad: events.append("block 0 backward done"))
 
 
-def manual_ddp_with_bf16_hook(model, args):
-    ddp = dropin.ManualDDP(model, bucket_cap_mb=args.bucket_cap_mb)
+def manual_ddp_with_bf16_hook(model):
+    ddp = dropin.ManualDDP(model, bucket_cap_mb=BUCKET_MB)
     ddp.register_comm_hook(None, dropin.bf16_compress_hook)
     return ddp
 
 
 def train(base, impl, compiled, args, steps=2, events=None, wrap=None):
-    model = copy.deepcopy(base)
-    if compiled:
+    model, loss_fn = copy.deepcopy(base), lesson.cross_entropy
+    if compiled:  # as 05's --compile: each block, and the loss, a region of its own
         lesson.compile_blocks(model, backend="aot_eager")
-    ddp = wrap(model, args) if wrap else lesson.wrap(model, impl, args, torch.device("cpu"))
+        loss_fn = torch.compile(lesson.cross_entropy, backend="aot_eager")
+    ddp = wrap(model) if wrap else lesson.wrap(model, impl, torch.device("cpu"), bucket_cap_mb=BUCKET_MB)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for step in range(steps):
@@ -53,7 +55,7 @@ def train(base, impl, compiled, args, steps=2, events=None, wrap=None):
             model.transformer.h[0].register_forward_pre_hook(functools.partial(watch_input, events))
             events.clear()
         data = batch(step)
-        loss = F.cross_entropy(ddp(input_ids=data[:, :-1], use_cache=False).logits.flatten(0, 1), data[:, 1:].flatten())
+        loss = lesson.next_token_loss(ddp, data, args, loss_fn)
         loss.backward()
         if impl == "naive":
             lesson.average_gradients(model, dist.get_world_size())
@@ -66,7 +68,7 @@ def train(base, impl, compiled, args, steps=2, events=None, wrap=None):
 
 def main():
     dist.init_process_group("gloo")
-    args = lesson.parse_args(TINY + ["--bucket-cap-mb", "0.05"])  # several buckets, so some can go out early
+    args = lesson.parse_args(TINY)
     _, base = lesson.build_model(args)
     for impl in ("manual", "naive", "torch"):
         eager, compiled = train(base, impl, False, args), train(base, impl, True, args)
