@@ -4,15 +4,17 @@ One file, no other file of this repository needed: copy it beside your script, o
 
   In your training script:
     from debug_tools import check_replicas, flight_recorder
-    check_replicas(model, optimizer)   # drift: raises on every rank, naming the tensor, the ranks and by how much
+    check_replicas(model, optimizer)   # drift: raises on every rank, naming the tensors, the ranks and by how much;
+                                       #   once after setup or a resume, then every N steps
     with flight_recorder("fr"):        # hangs: each rank's record of its collectives, written to fr/rank_<R>
         train(...)                     #   when the block ends, on an error, and when a collective waits too long
     DDP(model, process_group=group_for_ddp())   # DDP under TORCH_DISTRIBUTED_DEBUG=DETAIL on gloo (else a segfault)
 
-  From a shell, while the job hangs (PID: torchrun's agent, or any rank):
+  From a shell, while the job hangs (PID: torchrun's agent, mp.spawn's parent, any rank, or a worker of one):
     python debug_tools.py stacks PID            every rank's Python stack, labelled by rank, and where each waits
     python debug_tools.py stacks PID --native   ... with the C++ frames that say what it waits for (DDP's reducer)
     python debug_tools.py fr fr                 which collective each rank reached, and where the ranks part
+  `stacks` needs py-spy (on PATH or beside this Python); without it, it says what faulthandler does instead.
 
 The lesson that uses them, with a scenario for each: 09_debugging.py; the troubleshooting table: docs/debugging.md.
 """
@@ -542,6 +544,14 @@ def _cmdline(pid):
         return ""
 
 
+def _comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _runs_torch(pid):
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -601,8 +611,8 @@ def stacks(pid, native=False):
               "environment, not started by mp.spawn or torchrun): its own stack")
         ranks = {pid: None}
     elif pid in workers:
-        print(f"pid {pid} is a child process of the rank with pid {workers[pid]} (a DataLoader worker, say), not a "
-              "rank: the ranks of its job follow")
+        what = "a DataLoader worker" if _comm(pid) == "pt_data_worker" else "a child process"  # torch names them
+        print(f"pid {pid} is {what} of the rank with pid {workers[pid]}, not a rank: the ranks of its job follow")
     cmd = [py_spy, "dump", "--full-filenames", *(["--native"] if native else [])]
     with ThreadPoolExecutor(len(ranks)) as pool:  # at once: a picture of the same moment on every rank
         dumps = dict(zip(ranks, pool.map(
@@ -615,7 +625,7 @@ def stacks(pid, native=False):
     print(f"{len(ranks)} rank(s) of {world} on this machine{how}: {listed}"
           + (" (run this on every node for the others)" if every else ""))
     if workers:
-        print("their child processes (DataLoader workers, say; not shown): " + "; ".join(
+        print("their child processes (DataLoader workers, ...; not shown): " + "; ".join(
             f"{', '.join(str(w) for w in workers if workers[w] == p)} of {_name(labels[p])}"
             for p in order if p in workers.values()))
     summary = []
