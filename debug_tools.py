@@ -279,7 +279,9 @@ def group_for_ddp():
     """Every rank in a group that TORCH_DISTRIBUTED_DEBUG=DETAIL leaves unchecked, for DDP(model,
     process_group=group_for_ddp()): DETAIL wraps each group it sees created in a checker, and on gloo DDP's
     constructor segfaults on that wrapper (torch 2.14). DDP's own all-reduces go unchecked; your other collectives
-    (metrics, evaluation, barriers) keep DETAIL's check. Call it on every rank, after init_process_group."""
+    (metrics, evaluation, barriers) keep DETAIL's check. The price: DETAIL never compares DDP's all-reduces with yours,
+    so a rank in DDP's backward against another in your barrier hangs until the timeout (then `stacks`, `fr`).
+    Call it on every rank, after init_process_group."""
     import torch.distributed as dist
     level = dist.get_debug_level()
     dist.set_debug_level(dist.DebugLevel.OFF)  # new_group wraps the group only when DETAIL is on as it is created

@@ -16,6 +16,7 @@ Launches with the same purpose run side by side: most of a hang test is waiting,
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -133,16 +134,23 @@ def tool(*argv, python=sys.executable, **env):
     return res.stdout + res.stderr
 
 
-def reader_job(nproc, args, until, then, timeout=300, script=WORKER, folder=None):
+def reader_job(nproc, args, until, then, timeout=300, script=WORKER, folder=None, plain=False):
     """Run the reader's script under torchrun (nproc ranks) or as it launches itself (nproc None: mp.spawn), with
     debug_tools importable through PYTHONPATH, as a reader who keeps it elsewhere would; once until(output, folder)
     holds, call then(launcher's pid, pids by rank, folder), stop the whole job and return (output, what `then`
-    returned). `folder`: a fresh directory unless given, `{dir}` in args."""
+    returned). `folder`: a fresh directory unless given, `{dir}` in args. `plain`: nproc processes started by a shell,
+    no torchrun."""
     with tempfile.TemporaryDirectory() as fresh:
         d = folder or fresh
         log = Path(fresh, "log")
         args = [a.replace("{dir}", d) for a in args]
         cmd = launch.torchrun_cmd(script, nproc, args) if nproc else [sys.executable, str(launch.REPO / script), *args]
+        if plain:  # nproc processes with torchrun's variables, started by a shell script (as srun or a hand-made
+            port = launch.free_port()  # launcher starts them): no agent, the shell their parent
+            cmd = ["bash", "-c", " ".join(
+                f"RANK={r} LOCAL_RANK={r} WORLD_SIZE={nproc} LOCAL_WORLD_SIZE={nproc} MASTER_ADDR=127.0.0.1 "
+                f"MASTER_PORT={port} {shlex.join([sys.executable, str(launch.REPO / script), *args])} &"
+                for r in range(nproc)) + " wait"]
         with open(log, "w") as f:  # a file, not a pipe: the ranks never block on us
             proc = subprocess.Popen(cmd, cwd=launch.REPO, env=launch.make_env(PYTHONPATH=launch.REPO), stdout=f,
                                     stderr=subprocess.STDOUT, start_new_session=True)
@@ -169,11 +177,12 @@ def where(stacks, rank):
 
 def uneven(nproc):
     """Rank 0 has a batch more: it waits in loss.backward() (DDP's reducer), the others in the barrier after the
-    loop. `stacks` from torchrun's pid with --native, and from the last rank's pid."""
+    loop. `stacks` from the launcher's pid with --native, and from the last rank's pid. On 2 ranks the ranks are
+    plain processes a shell started (no torchrun), on 3 torchrun's."""
     return reader_job(nproc, ["--bug", "uneven", "--ddp", "--epochs", "1", "--timeout", "600"],
                       until=lambda out, d: out.count("training done") == nproc - 1,
                       then=lambda agent, pids, d: (tool("stacks", str(agent), "--native"),
-                                                   tool("stacks", pids[str(nproc - 1)])))
+                                                   tool("stacks", pids[str(nproc - 1)])), plain=nproc == 2)
 
 
 def eval_gather(nproc, folder):
