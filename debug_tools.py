@@ -309,6 +309,7 @@ def flight_recorder(dump_dir, hang_s=60.0):
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(os.path.abspath(dump_dir), "rank_")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    _RUN.clear()  # a new block: its run is the group's now (one process may hold several runs, a notebook's say)
     _RUN["started"] = time.time()
     if dist.is_initialized():
         _run_id()  # now, while every rank can still reach the store
@@ -328,9 +329,12 @@ def flight_recorder(dump_dir, hang_s=60.0):
 
 
 def _watch(dump_dir, hang_s, done):
+    import torch.distributed as dist
     dumped = None
     while not done.wait(min(1.0, hang_s / 4)):
         try:
+            if "id" not in _RUN and dist.is_initialized():
+                _run_id()  # as soon as the group is up: later, the store's host may be the rank that died
             pending = [e for e in _trace(stacks=False)["entries"] if not e.get("retired", True)]
         except Exception:  # no group yet, or one being torn down
             continue
