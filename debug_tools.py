@@ -48,9 +48,9 @@ KINDS = ("optimizer state", "settings", "parameters", "buffers", "tensor attribu
 class ReplicasDiffer(RuntimeError):
     """check_replicas' error, the same on every rank; .differences: every (kind, text), in the order listed."""
 
-    def __init__(self, message, differences):
+    def __init__(self, message, differences=()):  # a default: an unpickled copy is built from the message alone
         super().__init__(message)
-        self.differences = differences
+        self.differences = list(differences)
 
 
 def check_replicas(module, optimizer=None, group=None, ignore=()):
@@ -519,17 +519,19 @@ def find_job(pid):
         def is_rank(p):
             return "RANK" in _environ(p) or bool(MP_CHILD.search(_cmdline(p))) and _runs_torch(p)
         root = pid
-    tree, ranks, workers, todo = _children(), [], {}, list(_children().get(root, []))
+    tree, ranks, workers = _children(), [], {}
+    todo = list(tree.get(root, []))
     while todo:  # breadth first; everything under a rank is that rank's (DataLoader workers, compile workers)
         p = todo.pop(0)
-        if is_rank(p):
-            ranks.append(p)
-            under = list(tree.get(p, []))
-            while under:
-                workers[under[0]] = p
-                under += tree.get(under.pop(0), [])
-        else:
+        if not is_rank(p):
             todo += tree.get(p, [])
+            continue
+        ranks.append(p)
+        under = list(tree.get(p, []))
+        while under:
+            w = under.pop()
+            workers[w] = p
+            under += tree.get(w, [])
     labels = [_environ(p).get("RANK") for p in ranks]
     return {p: int(r) if r is not None and labels.count(r) == 1 else None for p, r in zip(ranks, labels)}, workers
 
