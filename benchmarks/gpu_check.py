@@ -24,12 +24,15 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 from common import load_script  # noqa: E402
 
-# Dense bf16 peak TFLOPS by GPU name (NVIDIA's datasheets, SXM): MFU = achieved FLOPs / this.
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+lesson = load_script("05_manual_ddp_gpt2.py")  # its byte tokenizer, its model builder, its table of GPU peaks
+PEAK_TFLOPS = lesson.PEAK_TFLOPS  # dense bf16 TFLOPS by the GPU's name, as 05's step line counts MFU
 GPT2_124M = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # GPT2Config's defaults otherwise
 TINY = dict(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=257,  # 05's byte tokenizer: 256 bytes + end
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -74,9 +77,8 @@ def peak_for(gpu, flag):
 
 def save_model(folder, shape):
     """A GPT-2 with random weights and 05's byte tokenizer, saved where 05's --model loads it; its size."""
-    import torch
     from transformers import GPT2Config, GPT2LMHeadModel
-    tok = load_script("05_manual_ddp_gpt2.py").byte_tokenizer()
+    tok = lesson.byte_tokenizer()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(**shape, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id))
     model.save_pretrained(folder)
@@ -127,9 +129,7 @@ def run_05(impl, compile_, model_dir, shape_args, out, env):
 def ceiling(model_dir, device, bf16, batch_size, seq_len, steps, window):
     """The same model with no DDP, compiled whole with its loss (the logits never leave the compiled graph), in a
     plain loop: fused AdamW, clipping, bf16 autocast. Tokens/s over the last `window` steps."""
-    import torch
-    import torch.nn.functional as F
-    lesson = load_script("05_manual_ddp_gpt2.py")  # its build_model: the model exactly as 05 trains it
+    # 05's build_model: the model exactly as 05 trains it
     _, model = lesson.build_model(lesson.parse_args(["--model", str(model_dir), "--seq-len", str(seq_len)]))
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
@@ -159,7 +159,6 @@ def ceiling(model_dir, device, bf16, batch_size, seq_len, steps, window):
 
 
 def main(args):
-    import torch
     if not args.tiny and not torch.cuda.is_available():
         print(f"gpu_check: no CUDA GPU here (torch {torch.__version__}), so nothing was run (exit status 2); "
               "--tiny runs the same pipeline on the CPU at a tiny shape")

@@ -109,6 +109,10 @@ def test_fsdp_memory_benchmark(tmp_path):
     assert all(r["peak_mib"] > r["base_mib"] > 0 and r["ms"] > 0 for r in rows), rows
 
 
+GPU_CHECK_ROW = {"name", "impl", "compile", "world_size", "tokens_per_s", "mfu", "n_params", "n_layer", "n_embd",
+                 "seq_len", "batch_size"}  # the shape benchmarks/costmodel.py reads
+
+
 def test_gpu_check_without_cuda_is_one_line_and_runs_nothing(tmp_path, script):
     """benchmarks/gpu_check.sh with CUDA hidden (so the test means the same on a GPU machine): one line, exit 2,
     nothing written; a bad flag is one `error:` line. The GPU names torch reports map to their peaks."""
@@ -123,3 +127,34 @@ def test_gpu_check_without_cuda_is_one_line_and_runs_nothing(tmp_path, script):
     names = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA L4")
     assert [gpu_check.peak_for(name, None) for name in names] == [989, 989, 312, None]
     assert gpu_check.peak_for("NVIDIA L4", 121.0) == 121.0  # --peak-tflops wins
+
+
+@pytest.mark.slow
+def test_gpu_check_pipeline_at_a_tiny_shape_on_the_cpu(tmp_path):
+    """gpu_check.py --tiny: the GPU check's whole pipeline (a model saved for 05's --model, 05's four runs, the
+    ceiling, the table, the JSON) at a 2-layer shape on the CPU over gloo. It measures nothing: it checks that what
+    a GPU run prints and writes comes out whole, tokens/s as 05 itself printed them."""
+    out = tmp_path / "gc"
+    res = launch.run([sys.executable, "benchmarks/gpu_check.py", "--tiny", "--out", out], timeout=600)
+    assert res.returncode == 0 and res.ok_line(), res.output
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert set(report) == {"gpu", "torch", "peak_tflops", "rows"}, report
+    assert (report["gpu"], report["peak_tflops"]) == ("cpu", None) and "MFU blank" in res.output
+    rows = report["rows"]
+    assert [(r["name"], r["impl"], r["compile"]) for r in rows] == [
+        ("05 manual eager", "manual", False), ("05 torch eager", "torch", False),
+        ("05 manual compile", "manual", True), ("05 torch compile", "torch", True),
+        ("ceiling: no DDP, compiled whole", "none", True)]
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(out / "gpt2-tiny")  # what 05 trained
+    shape = (sum(p.numel() for p in model.parameters()), model.config.n_layer, model.config.n_embd, 64, 2)
+    ceiling = rows[-1]["tokens_per_s"]
+    for r in rows:
+        assert set(r) == GPU_CHECK_ROW and r["world_size"] == 1 and r["mfu"] is None, r
+        assert (r["n_params"], r["n_layer"], r["n_embd"], r["seq_len"], r["batch_size"]) == shape, r
+        assert r["tokens_per_s"] > 0, r
+        assert f"| {r['name']} | {r['tokens_per_s']:,.0f} |  | {r['tokens_per_s'] / ceiling:.2f} |" in res.output
+    for r in rows[:4]:  # 05's own last step line, steps 3-4
+        log = (out / f"{r['name'].replace(' ', '_')}.log").read_text()
+        last = [ln for ln in log.splitlines() if ln.startswith("step") and "tok/s" in ln][-1]
+        assert last.split("|")[0].split() == ["step", "4/4"] and f" {r['tokens_per_s']:,.0f} tok/s" in last, log
