@@ -33,7 +33,7 @@ import torch.nn as nn
 ADAMW_BETAS, WEIGHT_DECAY, CLIP_NORM = (0.9, 0.95), 0.1, 1.0  # GPT-2's, as nanoGPT's (PyTorch's betas: 0.9, 0.999)
 LR_FLOOR = 0.1  # the cosine schedule ends at this fraction of --lr
 SEED_STRIDE = 7919  # dropout seed = seed + stride * step + rank: a prime, so no two (step, rank) pairs share one
-VAL_FRACTION, VAL_BATCHES = 0.1, 8  # the corpus' last tenth is held out; each rank evaluates <= 8 batches of it
+VAL_PART, VAL_BATCHES = 10, 8  # the corpus's last 1/10 is held out; each rank evaluates <= 8 batches of it
 PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312}  # dense bf16, by the GPU's name, for MFU
 
 
@@ -257,7 +257,7 @@ def load_tokens(args, tok):
     if not any(texts):  # else an IndexError deep inside the tokenizer
         raise UsageError(f"--dataset {args.dataset} is empty: no text to train on")
     ids = [i for row in tok(texts, add_special_tokens=False)["input_ids"] for i in row + [tok.eos_token_id]]
-    held = len(ids) // 10
+    held = len(ids) // VAL_PART
     return torch.tensor(ids[: len(ids) - held]), torch.tensor(ids[len(ids) - held:])
 
 
