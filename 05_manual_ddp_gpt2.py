@@ -516,7 +516,7 @@ def parse_args(argv=None):
     g.add_argument("--lr", type=at_least(1e-12, float), default=2e-3, help="peak learning rate")
     g.add_argument("--warmup-steps", type=at_least(0), default=30, help="linear warm-up steps before cosine decay")
     g.add_argument("--log-every", type=count, default=25, help="steps between loss lines")
-    g.add_argument("--eval-every", type=at_least(0), default=50, help="steps between held-out losses and checkpoints")
+    g.add_argument("--eval-every", type=at_least(0), default=50, help="steps between val loss + checkpoint (0: none)")
     g.add_argument("--sample-tokens", type=at_least(0), default=120, help="tokens generated at the end (0: none)")
     g.add_argument("--out", default=None, help="checkpoint dir: resume from it, save to it, final save_pretrained")
     g.add_argument("--seed", type=at_least(0, below=2**32), default=0, help="model init (same on all ranks), data")
