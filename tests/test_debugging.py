@@ -1,14 +1,18 @@
-"""09_debugging.py and debug_tools.py (issues #38, #46).
+"""09_debugging.py and debug_tools.py (issues #38, #46, #52).
 
 09: every scenario on 2 ranks, and all but mismatch on 3 (its two child jobs on 4 processes cost the most and show
-nothing new on 3), ends within its timeout with its diagnosis and OK, printing the commands it ran.
+nothing new on 3), ends within its timeout with its diagnosis and OK, printing the commands it ran; the 3-rank pass
+runs under a Python with no py-spy anywhere it looks, and rank0-only and uneven still diagnose (without `stacks`).
 debug_tools, on a reader's own training loop (tests/workers/buggy_train.py, not written like 09) on 2 and 3 ranks:
-`stacks` finds every rank of a torchrun job from the agent's pid or a rank's, and names the rank that waits in
-PyTorch's DDP backward (the reducer, with --native) and the rank alone in an evaluation's gather; flight_recorder's
-records, read by `fr`, show rank 0 alone in that gather; check_replicas names a per-rank seed's tensors and a plain
-tensor attribute that PyTorch's DDP never broadcasts. check_replicas' own cases (tests/workers/check_replicas_worker.py:
-quiet on DDP and ManualDDP after a step, each kind of difference named) on 2 and 3 ranks; the find-the-bug rung
-fails as shipped and passes once fixed.
+`stacks` finds every rank of a torchrun job and of plain processes a shell started, from the launcher's pid or a
+rank's, and names the rank that waits in PyTorch's DDP backward (the reducer, with --native) and the rank alone in an
+evaluation's gather; flight_recorder's records, read by `fr`, show rank 0 alone in that gather, and `fr` reads one
+run from a folder a bigger run used before; check_replicas names a per-rank seed's tensors and a plain tensor
+attribute that PyTorch's DDP never broadcasts. On a job written as PyTorch's DDP tutorial writes one
+(tests/workers/spawn_train.py: mp.spawn or torchrun, DataLoader workers, BatchNorm): `stacks` from mp.spawn's parent,
+a DataLoader worker, `sleep`, with py-spy beside a venv's python and with none; check_replicas quiet on BatchNorm
+under DDP, and on a rank-0-only resume listing the optimizer's state first. check_replicas' own cases
+(tests/workers/check_replicas_worker.py) on 2 and 3 ranks; the find-the-bug rung fails as shipped and passes fixed.
 
 Launches with the same purpose run side by side: most of a hang test is waiting, which the other fills.
 """
