@@ -545,7 +545,8 @@ def read_measurement(path, row=None):
     elif isinstance(data, dict) and isinstance(data.get("impls"), dict):  # ddp_step
         if data.get("device") != "cuda":
             raise ValueError(f"--measured {path}: measured on {data.get('device')}, not a GPU: no MFU to take")
-        rows = {n: dict(r, name=n, impl=n, world_size=data["world_size"], n_params=data.get("parameters"),
+        shape = {k: data.get(k) for k in ("n_layer", "n_embd", "seq_len", "batch_size")}  # the model and batch
+        rows = {n: dict(r, **shape, name=n, impl=n, world_size=data["world_size"], n_params=data.get("parameters"),
                         tflops=r.get("tflops")) for n, r in data["impls"].items()}
         ddp = [n for n in rows if n in ("manual", "torch")] or list(rows)
     else:

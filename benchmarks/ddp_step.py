@@ -183,6 +183,8 @@ def report(args, device, world, base, buckets, res):
     if args.json:
         write_json(args.json, {"world_size": world, "backend": dist.get_backend(), "device": device.type,
                                "torch": torch.__version__, "parameters": n_params, "model_size": args.model_size,
+                               "n_layer": base.config.num_hidden_layers, "n_embd": base.config.hidden_size,
+                               "seq_len": args.seq_len, "batch_size": args.batch_size,
                                "precision": args.precision, "compile": args.compile,
                                "bucket_cap_mb": args.bucket_cap_mb, "buckets_mb": buckets, "impls": res})
         say(f"wrote {args.json}")

@@ -50,6 +50,8 @@ def test_ddp_step_benchmark(tmp_path):
     assert (report["world_size"], report["backend"], report["model_size"]) == (2, "gloo", "small")
     impls = report["impls"]
     assert set(impls) == {"manual", "naive", "torch", "none"}
+    # the shape the cost model needs to take a measurement as this model's (costmodel predict --measured)
+    assert (report["seq_len"], report["batch_size"], report["n_layer"], report["n_embd"]) == (64, 4, 4, 128)
     assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 for r in impls.values())
     # Exact, not timed: DDPCore's gradients are views of its buckets (one copy, like no DDP at all), PyTorch's
     # DDP (gradient_as_bucket_view=False) holds two; the buckets hold every gradient once; and the peak from

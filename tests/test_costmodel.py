@@ -692,7 +692,9 @@ def test_the_rate_from_a_measured_run(tmp_path):
     assert out["hfu"] == pytest.approx(260000.0 * 0.75e9 / 2 / 989e12) and "'torch'" in out["rate_source"]
     # ddp_step on this same model (2 GPUs): its DDP row is reproduced on 2 GPUs, its "none" (each rank alone) on 1
     path4 = tmp_path / "ddp_gpt2.json"
-    path4.write_text(json.dumps(dict(ddp_step, parameters=124439808)))
+    path4.write_text(json.dumps(dict(ddp_step, parameters=124439808, n_layer=12, n_embd=768, seq_len=1024,
+                                     batch_size=16)))
+    assert cm.read_measurement(str(path4))["seq_len"] == 1024  # ddp_step's shape comes along with its rows
     for row, gpus, per_gpu in (("torch", 2, 130000.0), ("none", 1, 150000.0)):
         out = cm.predict(**base, gpus=gpus, measured=cm.read_measurement(str(path4), row))
         assert out["tokens_per_s_per_gpu"] == pytest.approx(per_gpu, rel=1e-6), row
