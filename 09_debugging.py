@@ -211,9 +211,10 @@ def where_lines(stacks):  # the last lines `debug_tools.py stacks` prints: one p
     return [ln for ln in stacks.split("where each rank is")[-1].splitlines() if ln.strip().startswith("rank ")]
 
 
-def hang(args, fault, timeout_s, stacks_when, native=False):
+def hang(args, fault, timeout_s, stacks_when, native=False, analyser=False):
     """The broken program in flight_recorder(DIR) (2 s makes a hang): stacks once it hangs, where py-spy is found;
-    then `fr DIR` on every rank's record. Returns (where each rank waits, or None without py-spy, what fr said)."""
+    then `fr DIR` on every rank's record (and torch's analyser on them). Returns (where each rank waits, or None
+    without py-spy, what fr said)."""
     with tempfile.TemporaryDirectory() as d:
         stacks_when = stacks_when if find_py_spy() else None
         rc, out, s, stacks = child(args, fault, timeout_s, flags=["--fr", d], stacks_when=stacks_when, native=native,
@@ -224,8 +225,9 @@ def hang(args, fault, timeout_s, stacks_when, native=False):
             show(where_lines(stacks), 200)
         else:  # the lesson goes on with the tools that need nothing installed
             print0("   (stacks skipped: py-spy not found; pip install py-spy to see every rank's stack)")
-        fr = tool("fr", d, "--torch")
-    print0("-- what each rank's flight_recorder() wrote once a collective had waited 2 s, then torch's analyser:")
+        fr = tool("fr", d, *(["--torch"] if analyser else []))
+    print0("-- what each rank's flight_recorder() wrote once a collective had waited 2 s"
+           + (", then torch's analyser:" if analyser else ":"))
     ours = fr.split("\ntorch's own")[0]
     show(ours[ours.find("the ranks part"):].splitlines() + grep(fr, r"error msg: Culprit", 1), 200)
     waits = {int(ln.split()[1][:-1]): ln for ln in where_lines(stacks)} if stacks_when else None
@@ -235,7 +237,7 @@ def hang(args, fault, timeout_s, stacks_when, native=False):
 def scenario_rank0_only(args):
     print0("== rank0-only: rank 0 saves a checkpoint, then a barrier meant for every rank waits in rank 0's branch")
     if RANK == 0:
-        waits, fr = hang(args, "rank0-only", 60, stacks_when=(r"\] step 1\b", WORLD))
+        waits, fr = hang(args, "rank0-only", 60, stacks_when=(r"\] step 1\b", WORLD), analyser=True)
         print0("   torch's 'Culprit rank R': R's call differs from that of the rank whose record it read first, "
                "which may be the one at fault: read which call each rank made (above: rank 0 alone in barrier)")
         rc, out, s, _ = child(args, "rank0-only", 30, flags=["--monitored", "--backend", "gloo"])
