@@ -122,8 +122,12 @@ def venv_python(tmp_path, py_spy=False):
     """(python, PATH): a virtual environment over this Python (its packages, torch included), not activated, and a
     PATH without py-spy; py-spy beside the venv's python when asked, else nowhere these two lead."""
     venv = tmp_path / ("venv_py_spy" if py_spy else "venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True,
-                   timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    # This Python's packages (torch...) for the venv's: a .pth file, which also works when this Python is a venv
+    # itself (--system-site-packages would give the base interpreter's packages, not this one's).
+    site = next(venv.glob("lib/python3*/site-packages"))
+    site.joinpath("outer.pth").write_text("\n".join(p for p in sys.path if p.endswith(("site-packages",
+                                                                                         "dist-packages"))) + "\n")
     if py_spy:
         here = Path(sys.executable).resolve().parent / "py-spy"  # the binary itself (shutil.which may find a shim)
         (venv / "bin" / "py-spy").symlink_to(here if here.exists() else shutil.which("py-spy"))
