@@ -4,16 +4,14 @@ diagnosed with the real tool, and fixed.
 What it teaches: one scenario per --fault, its broken program run as a child job (torchrun, as many ranks, a short
 --timeout-s; the command and its environment printed): the symptom as you meet it, the tool that finds the cause
 (checked to name it), then the fix, run in this job; `OK` when all three happened, exit 1 when the diagnosis did not.
-Without py-spy, `stacks` is skipped (and said so): the Flight Recorder and monitored_barrier diagnose on their own.
   mismatch    ranks all-reduce different shapes: one dies, one sums garbage; TORCH_DISTRIBUTED_DEBUG=DETAIL names both
   rank0-only  a barrier only rank 0 reaches: a hang; stacks, the Flight Recorder and monitored_barrier each name it
-  uneven      PyTorch's DDP, one rank a batch more: a hang in backward (stacks --native: DDP's reducer; the Flight
-              Recorder: its all-reduce against the others' barrier); Join fixes it
+  uneven      PyTorch's DDP, one rank a batch more: hangs in backward (stacks --native, Flight Recorder); Join fixes it
   drift       replicas that silently diverge, the loss fine: check_replicas() names the tensor and the ranks
   crash       one rank raises: the log has its traceback, torchrun's summary the rank, @record the exception there too
   same-gpu    (CUDA) NCCL with no torch.cuda.set_device: every rank on cuda:0; NCCL_DEBUG=INFO shows it
-The tools come from debug_tools.py, beside this file, made for your own job: check_replicas(model, optimizer),
-flight_recorder(DIR), `python debug_tools.py stacks PID` and `fr DIR`. Symptom, tool, cause, fix: docs/debugging.md.
+The tools are debug_tools.py's, beside this file, for your own job too: check_replicas(model, optimizer), `fr DIR`,
+flight_recorder(DIR), `debug_tools.py stacks PID` (py-spy; without it skipped, and said). More: docs/debugging.md.
 
   CPU:        torchrun --nproc_per_node=2 09_debugging.py --fault mismatch        (or 3 ranks; --fault all)
   GPUs:       torchrun --nproc_per_node=N 09_debugging.py --fault all      (fewer GPUs than ranks: add --device cuda)
@@ -132,10 +130,9 @@ def program(fault, fixed=False, monitored=False):
 
 # --- running the broken program as a child job, and the tools on it ---
 def child(args, fault, timeout_s, env=None, flags=(), stacks_when=None, native=False, stop=None):
-    """Run `torchrun --standalone` with WORLD ranks, `--fault fault --broken`, without our own job's torchrun
-    variables, and print the command; returns (exit code, output, seconds, stacks). `stacks_when` (pattern, count):
-    once `count` lines of output match, `python debug_tools.py stacks <torchrun's pid>` runs; the job is stopped
-    as soon as `stop()` says so."""
+    """Run and print `torchrun --standalone` on WORLD ranks, `--fault fault --broken`, without our torchrun variables;
+    returns (exit code, output, seconds, stacks). `stacks_when` (pattern, count): once `count` output lines match,
+    `python debug_tools.py stacks <torchrun's pid>` runs; the job is stopped as soon as `stop()` says so."""
     ours = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC_")
     clean = {k: v for k, v in os.environ.items() if not k.startswith(ours) and k != "TORCH_DISTRIBUTED_DEBUG"}
     argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", Path(__file__).name,
@@ -212,9 +209,8 @@ def where_lines(stacks):  # the last lines `debug_tools.py stacks` prints: one p
 
 
 def hang(args, fault, timeout_s, stacks_when, native=False, analyser=False):
-    """The broken program in flight_recorder(DIR) (2 s makes a hang): stacks once it hangs, where py-spy is found;
-    then `fr DIR` on every rank's record (and torch's analyser on them). Returns (where each rank waits, or None
-    without py-spy, what fr said)."""
+    """The broken program in flight_recorder(DIR) (2 s makes a hang): stacks once it hangs (where py-spy is found),
+    then `fr DIR` (and torch's analyser). Returns (where each rank waits, None without py-spy; what fr said)."""
     with tempfile.TemporaryDirectory() as d:
         stacks_when = stacks_when if find_py_spy() else None
         rc, out, s, stacks = child(args, fault, timeout_s, flags=["--fr", d], stacks_when=stacks_when, native=native,
@@ -384,12 +380,10 @@ def main(args):
 def parse_args():
     p = Parser(__doc__, timeout_s=600)  # the other ranks wait in a collective while rank 0 runs a child job
     p.add_argument("--fault", nargs="+", choices=FAULTS + ("all",), default=["all"], help="the scenarios to run")
-    p.add_argument("--broken", action="store_true", help="run one scenario's broken program alone, as its child "
-                   "job does (then try the tools on it)")
+    p.add_argument("--broken", action="store_true", help="one scenario's broken program alone: try the tools on it")
     p.add_argument("--record", action="store_true", help="with --broken: the program under torch's @record")
     p.add_argument("--fr", metavar="DIR", help="with --broken: the program in debug_tools.flight_recorder(DIR)")
-    p.add_argument("--monitored", action="store_true", help="with --broken --fault rank0-only: its barrier is "
-                   "dist.monitored_barrier (gloo only)")
+    p.add_argument("--monitored", action="store_true", help="with --broken --fault rank0-only: monitored_barrier")
     args = p.parse_args()
     if args.broken and (len(args.fault) != 1 or args.fault == ["all"]):
         p.error("--broken runs one scenario's program: name it, e.g. --fault uneven")
