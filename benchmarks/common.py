@@ -20,6 +20,13 @@ def load_script(filename):
     return module
 
 
+def flops_per_token(model, seq_len):
+    """Training FLOPs a token, as 05's step line counts them for MFU (and the cost model): 6 per parameter, counted
+    once (forward and backward), plus attention's scores and sums, 12 L d T."""
+    cfg = model.config
+    return 6 * sum(p.numel() for p in model.parameters()) + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+
+
 def quartiles(xs):
     """(p25, median, p75) of a list of timings or ratios, within the data: the default 'exclusive' method
     extrapolates from few samples (from two timings it gave a negative p25)."""

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import check_writable, load_script, pyplot, quartiles, write_json  # noqa: E402
+from common import check_writable, flops_per_token, load_script, pyplot, quartiles, write_json  # noqa: E402
 
 lesson = load_script("05_manual_ddp_gpt2.py")  # its setup block and everything measured here
 IMPLS = ["manual", "naive", "torch", "none"]  # none: each rank alone (no communication), the baseline
@@ -38,12 +38,6 @@ def build(args, device):
     torch.manual_seed(args.seed)
     return GPT2LMHeadModel(GPT2Config(**SIZES[args.model_size], activation_function="gelu_pytorch_tanh",
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-
-
-def flops_per_token(model, seq_len):
-    """Training FLOPs a token, as 05's MFU counts them: 6 per weight (forward and backward) plus attention."""
-    cfg = model.config
-    return 6 * sum(p.numel() for p in model.parameters()) + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
 
 
 def peak_mb(fn, device):

@@ -25,11 +25,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from common import load_script  # noqa: E402
+from common import flops_per_token, load_script  # noqa: E402
 
 lesson = load_script("05_manual_ddp_gpt2.py")  # its byte tokenizer, its model builder, its table of GPU peaks
 PEAK_TFLOPS = lesson.PEAK_TFLOPS  # dense bf16 TFLOPS by the GPU's name, as 05's step line counts MFU
@@ -63,20 +62,15 @@ def parse_args(argv=None):
     return args
 
 
-def flops_per_token(n_params, n_layer, n_embd, seq_len):
-    """Training FLOPs a token, as 05's step line and the cost model count them: 6 per parameter (forward and
-    backward) plus attention's scores and sums, 12 L d T."""
-    return 6 * n_params + 12 * n_layer * n_embd * seq_len
-
-
 def peak_for(gpu, flag):
     if flag is not None:
         return flag
     return next((tflops for name, tflops in PEAK_TFLOPS.items() if name in gpu), None)
 
 
-def save_model(folder, shape):
-    """A GPT-2 with random weights and 05's byte tokenizer, saved where 05's --model loads it; its size."""
+def save_model(folder, shape, seq_len):
+    """A GPT-2 with random weights and 05's byte tokenizer, saved where 05's --model loads it; its size and its
+    training FLOPs a token at seq_len."""
     from transformers import GPT2Config, GPT2LMHeadModel
     tok = lesson.byte_tokenizer()
     torch.manual_seed(0)
@@ -84,7 +78,8 @@ def save_model(folder, shape):
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     cfg = model.config  # parameters(): the tied head and embedding once
-    return dict(n_params=sum(p.numel() for p in model.parameters()), n_layer=cfg.n_layer, n_embd=cfg.n_embd)
+    size = dict(n_params=sum(p.numel() for p in model.parameters()), n_layer=cfg.n_layer, n_embd=cfg.n_embd)
+    return size, flops_per_token(model, seq_len)
 
 
 def run_logged(cmd, log, env, timeout):
@@ -132,14 +127,14 @@ def ceiling(model_dir, device, bf16, batch_size, seq_len, steps, window):
     # 05's build_model: the model exactly as 05 trains it
     _, model = lesson.build_model(lesson.parse_args(["--model", str(model_dir), "--seq-len", str(seq_len)]))
     model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=lesson.ADAMW_BETAS, weight_decay=lesson.WEIGHT_DECAY,
+                            fused=device.type == "cuda")  # 05's settings
 
     @torch.compile
     def loss_of(x, y):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(input_ids=x, use_cache=False).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        return lesson.cross_entropy(logits, y)  # 05's loss, traced into the same graph as the model
 
     torch.manual_seed(0)
     data = torch.randint(0, model.config.vocab_size, (steps, batch_size, seq_len + 1), device=device)
@@ -151,7 +146,7 @@ def ceiling(model_dir, device, bf16, batch_size, seq_len, steps, window):
             start = time.perf_counter()
         loss = loss_of(data[step, :, :-1], data[step, :, 1:])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), lesson.CLIP_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
     loss.item()  # waits for the GPU
@@ -191,10 +186,9 @@ def main(args):
 
     t = time.perf_counter()
     model_dir = out / ("gpt2-tiny" if args.tiny else "gpt2-124m")
-    size = save_model(model_dir, TINY if args.tiny else GPT2_124M)
+    size, per_token = save_model(model_dir, TINY if args.tiny else GPT2_124M, seq_len)
     print(f"2. speed: GPT-2 of {size['n_params']:,} parameters ({model_dir}), --seq-len {seq_len} --batch-size "
           f"{batch_size}, tokens/s over steps {steps - window + 1}-{steps}", flush=True)
-    per_token = flops_per_token(size["n_params"], size["n_layer"], size["n_embd"], seq_len)
     measured, agreed = [], 0
     for impl, compile_ in RUNS:
         name, speed, their_mfu, log = run_05(impl, compile_, model_dir, shape_args, out, env)

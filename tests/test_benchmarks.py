@@ -129,6 +129,9 @@ def test_gpu_check_without_cuda_is_one_line_and_runs_nothing(tmp_path, script):
     names = ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA L4")
     assert [gpu_check.peak_for(name, None) for name in names] == [989, 989, 312, None]
     assert gpu_check.peak_for("NVIDIA L4", 121.0) == 121.0  # --peak-tflops wins
+    # the FLOPs a token its MFU counts: 6N + 12 L d T of the model it saves, N as parameters() counts it (tied once)
+    size, per_token = gpu_check.save_model(tmp_path / "tiny", gpu_check.TINY, 64)
+    assert per_token == 6 * size["n_params"] + 12 * 2 * 64 * 64 and (size["n_layer"], size["n_embd"]) == (2, 64)
 
 
 @pytest.mark.slow
