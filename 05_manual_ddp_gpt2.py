@@ -20,7 +20,6 @@ import itertools
 import math
 import os
 import pathlib
-import shutil
 import time
 import weakref
 from datetime import timedelta
@@ -240,8 +239,8 @@ def byte_tokenizer():
 
 
 def load_tokens(args, tok):
-    """(training, held-out) tokens, documents ended by end-of-text: Python's sources (40 files), local files (a
-    directory, a file or a glob) or a hub dataset (NAME or NAME:CONFIG). The last tenth is held out."""
+    """(training, held-out) tokens, each document ended by end-of-text, the last tenth held out: Python's sources (40
+    files), local files (a directory, a file or a glob) or a hub dataset (NAME or NAME:CONFIG)."""
     if args.dataset == "stdlib":
         files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:40]
     else:  # a directory (every file under it), a file or a glob; if none matches, a hub dataset's name
@@ -261,16 +260,14 @@ def load_tokens(args, tok):
     return torch.tensor(ids[: len(ids) - held]), torch.tensor(ids[len(ids) - held:])
 
 
-def batches_from(data, per_epoch, args, micro):
-    """This rank's micro-batches forever, from micro-batch `micro` on (04_sampler.py writes DistributedSampler)."""
+def batches_from(data, args):
+    """This rank's micro-batches, epoch after epoch: its share of a new permutation each epoch (04_sampler.py)."""
     sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=args.seed, drop_last=True)
-    while True:
-        epoch, offset = divmod(micro, per_epoch)
-        sampler.set_epoch(epoch)  # a new permutation each epoch (without it, every epoch replays the first)
-        idx = list(sampler)
-        for k in range(offset, per_epoch):
-            yield data[idx[k * args.batch_size : (k + 1) * args.batch_size]]
-            micro += 1
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)  # without it, every epoch would replay the first one's order
+        idx = list(sampler)  # (not a DataLoader: its iterator draws from the global RNG that dropout replays)
+        for k in range(len(idx) // args.batch_size):
+            yield data[idx[k * args.batch_size:(k + 1) * args.batch_size]]
 
 
 def build_model(args):
@@ -285,23 +282,24 @@ def build_model(args):
     for key in ("activation_function", "hidden_act"):  # GPT-2's gelu_new: the same function in 1 kernel, not ~8
         if getattr(config, key, None) == "gelu_new":
             setattr(config, key, "gelu_pytorch_tanh")
-    torch.manual_seed(args.seed)  # the same weights on every rank (DDPCore broadcasts rank 0's anyway)
-    model = AutoModelForCausalLM.from_pretrained(args.model, config=config) if args.model else GPT2LMHeadModel(config)
     if args.seq_len > getattr(config, "max_position_embeddings", args.seq_len):  # GPT-2's n_positions too
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {config.max_position_embeddings} positions")
+    torch.manual_seed(args.seed)  # the same weights on every rank (DDPCore broadcasts rank 0's anyway)
+    model = AutoModelForCausalLM.from_pretrained(args.model, config=config) if args.model else GPT2LMHeadModel(config)
     return tok, model.float()
 
 
 def compile_blocks(model, backend="inductor"):
-    """Each block compiled on its own (as torchtitan): its buckets leave as its backward ends, not after the model's."""
+    """Each block and the head compiled on its own (as torchtitan): a block's buckets leave as its backward ends, not
+    after the whole model's. (The final norm, one kernel, stays eager: each model names it differently.)"""
     blocks = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)  # the stack of blocks
-    for block in blocks:
-        block.compile(backend=backend)
+    for region in [*blocks, model.get_output_embeddings()]:
+        region.compile(backend=backend)
     return len(blocks)
 
 
 def cross_entropy(logits, targets):
-    """The mean loss in float32. --compile compiles it as a region of its own, after the last block's: the cast then
+    """The mean loss in float32. --compile compiles it as a region of its own, after the head's: the cast then
     fuses into the loss's kernels, and no float32 copy of the logits (50,257 columns for GPT-2) is written."""
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
@@ -325,20 +323,20 @@ def wrap(model, impl, device, bucket_cap_mb=None):
     return model  # naive: rank 0's weights (as DDPCore's constructor), average_gradients after each backward
 
 
-def evaluate(model, val, args, loss):
-    """The held-out loss: every rank its own share, as many batches as the others, so the mean of all ranks' batch
-    means is the mean over all of them. The bare model: no gradients, nothing to sync."""
-    total = torch.zeros((), device=next(model.parameters()).device)
-    with torch.no_grad():
-        for batch in val[RANK::WORLD].split(args.batch_size):
-            total += next_token_loss(model.eval(), batch.to(total.device), args, loss)  # eval(): no dropout
-    dist.all_reduce(total)  # the SUM of every rank's batch means
-    model.train()
-    return total.item() / (len(val) // args.batch_size)
-
-
-def train(args, device, state):
-    """Train from `state` (a checkpoint, or None), then check the replicas, save the model and sample from it."""
+def main(args):
+    """Resume from --out's newest checkpoint (if any), train, check the replicas, save the model, sample from it."""
+    device = setup(args)
+    if args.precision == "auto":
+        args.precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if device.type == "cuda":  # TF32 matmuls: float32's range, 10-bit mantissa, tensor-core speed
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} impl={args.impl} "
+           f"precision={args.precision} torch={torch.__version__}")
+    state = load_newest(args.out) if args.out else None
+    start = state["step"] if state else 0
+    if start >= args.max_steps:
+        print0(f"OK nothing to train: {args.out} holds step {start} of --max-steps {args.max_steps}")
+        return
     tok, model = build_model(args)
     train_ids, val_ids = load_tokens(args, tok)
     per_epoch = (len(train_ids) - 1) // args.seq_len // WORLD // args.batch_size  # micro-batches per rank per epoch
@@ -353,37 +351,41 @@ def train(args, device, state):
            f"| model: {n_params / 1e6:.2f}M parameters")
     loss = cross_entropy
     if args.compile:  # regions, not the whole model: one backward for all would hold every bucket back to its end
-        print0(f"compiling {compile_blocks(model)} blocks and the loss, one by one (the first steps wait for it)")
+        print0(f"compiling {compile_blocks(model)} blocks, the head and the loss, one by one (the first steps wait)")
         loss = torch.compile(loss)
     ddp = wrap(model.to(device), args.impl, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY,
                             fused=device.type == "cuda")  # on the CPU, the per-tensor loop the tests check
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
-    start = state["step"] if state else 0
+
+    def lr_factor(step):  # linear warm-up, then cosine decay to LR_FLOOR of --lr at --max-steps
+        if step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+        return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     if state:  # every rank loads the same checkpoint: the replicas stay identical
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        print0(f"resumed from {os.path.join(args.out, f'checkpoint-{start}')} at step {start}")
-    batches = batches_from(data, per_epoch, args, start * args.grad_accum)
+        print0(f"resumed from {args.out}/checkpoint-{start}.pt at step {start}")
+    batches = itertools.islice(batches_from(data, args), start * args.grad_accum, None)  # resumed: skip those done
     # MFU: 6 FLOPs a weight per token (forward and backward) plus attention's, against the GPU's peak (as nanoGPT).
     flops = 6 * n_params + 12 * model.config.num_hidden_layers * model.config.hidden_size * args.seq_len
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
     peak = next((tflops * 1e12 for name, tflops in PEAK_TFLOPS.items() if name in gpu), None)
-    losses, first_loss, last_loss, t_log = [], None, None, time.perf_counter()
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * WORLD
+    losses, first_loss, t_log = [], None, time.perf_counter()
     model.train()  # from_pretrained returns a model in eval mode: dropout off
     for step in range(start, args.max_steps):
         # Dropout masks differ across ranks as the data does, and a resumed run replays them: no RNG state saved.
         torch.manual_seed(args.seed + SEED_STRIDE * step + RANK)
-        step_loss = torch.zeros((), device=device)
         for micro in range(args.grad_accum):
             # Sync on the last micro-batch only (the flag no_sync() sets; nanoGPT writes it directly too).
             if args.impl != "naive":
                 ddp.require_backward_grad_sync = micro == args.grad_accum - 1
             micro_loss = next_token_loss(ddp, next(batches).to(device, non_blocking=True), args, loss)
             (micro_loss / args.grad_accum).backward()
-            step_loss += micro_loss.detach() / args.grad_accum
+            losses.append(micro_loss.detach())
         if args.impl == "naive":
             average_gradients(model, WORLD)
         # Every .grad already holds the mean over ranks: clipping sees the global gradient, alike on every rank.
@@ -391,7 +393,6 @@ def train(args, device, state):
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(step_loss)
         if (step + 1) % args.log_every == 0 or step in (start, args.max_steps - 1):
             mean = torch.stack(losses).mean()
             dist.all_reduce(mean)  # every rank's loss, not rank 0's alone: the SUM of the means, / N below
@@ -399,7 +400,7 @@ def train(args, device, state):
             if not math.isfinite(last_loss):  # every rank holds the same mean: all stop here, together
                 raise UsageError(f"training diverged: loss {last_loss} at step {step + 1} (try a smaller --lr)")
             first_loss = last_loss if first_loss is None else first_loss
-            dt = (time.perf_counter() - t_log) / len(losses)
+            dt = (time.perf_counter() - t_log) / len(losses) * args.grad_accum
             mfu = f" | MFU {100 * tokens_per_step / dt * flops / WORLD / peak:.1f}%" if peak else ""
             print0(f"step {step + 1:>5}/{args.max_steps} | loss {last_loss:7.4f} | lr {sched.get_last_lr()[0]:.2e} "
                    f"| {dt * 1e3:7.1f} ms/step | {tokens_per_step / dt:9,.0f} tok/s{mfu}")
@@ -407,12 +408,17 @@ def train(args, device, state):
         # Every --eval-every steps (nanoGPT's eval_interval), and at the end: the held-out loss and a checkpoint.
         if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps:
             paused = time.perf_counter()
-            if args.eval_every:
-                print0(f"step {step + 1:>5}/{args.max_steps} | val loss {evaluate(model, val, args, loss):7.4f}")
+            if args.eval_every:  # each rank its share, as many batches as the others: the mean of means is the mean
+                with torch.no_grad():  # the bare model in eval mode (no dropout): no gradients, nothing to sync
+                    val_loss = sum(next_token_loss(model.eval(), b.to(device), args, loss)
+                                   for b in val[RANK::WORLD].split(args.batch_size)) / (n_val // args.batch_size)
+                dist.all_reduce(val_loss)  # each rank's part of the mean over all batches, summed
+                model.train()
+                print0(f"step {step + 1:>5}/{args.max_steps} | val loss {val_loss.item():7.4f}")
             if args.out and RANK == 0:  # every replica holds the same state: global rank 0 alone writes it
                 save_checkpoint(args.out, step + 1, {"model": model.state_dict(), "optimizer": opt.state_dict(),
                                                      "scheduler": sched.state_dict(), "step": step + 1})
-                print(f"saved {args.out}/checkpoint-{step + 1}", flush=True)
+                print(f"saved {args.out}/checkpoint-{step + 1}.pt", flush=True)
             t_log += time.perf_counter() - paused  # not training time
     # Identical gradients on identical weights keep the replicas identical: check it, bit for bit.
     mine = torch.cat([p.detach().flatten().float() for p in model.parameters()])
@@ -420,10 +426,9 @@ def train(args, device, state):
     dist.broadcast(rank0, src=0)
     differs = (rank0 != mine).any().float()
     dist.all_reduce(differs)  # the ranks whose weights differ from rank 0's
-    if RANK == 0 and args.out:  # the model and tokenizer as from_pretrained loads them
+    if RANK == 0 and args.out:  # the model and tokenizer as AutoModelForCausalLM.from_pretrained loads them
         model.save_pretrained(args.out)
         tok.save_pretrained(args.out)
-        print0(f"saved model and tokenizer to {args.out} (AutoModelForCausalLM.from_pretrained loads it)")
     if RANK == 0 and args.sample_tokens > 0:  # a sample: a new document, within the model's context
         torch.manual_seed(args.seed)
         n = min(args.sample_tokens, getattr(model.config, "max_position_embeddings", 1024) - 1)
@@ -436,67 +441,36 @@ def train(args, device, state):
     print0(f"OK {args.impl} DDP on {WORLD} ranks: replicas identical; loss {trend} {first_loss:.4f} -> {last_loss:.4f}")
 
 
-def lr_factor(step, args):
-    """Linear warm-up, then cosine decay to LR_FLOOR of --lr, over --max-steps."""
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
-    cosine = LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
-    return (step + 1) / args.warmup_steps if step < args.warmup_steps else cosine
-
-
-def main(args):
-    device = setup(args)
-    if args.precision == "auto":
-        args.precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    if device.type == "cuda":  # TF32 matmuls: float32's range, 10-bit mantissa, tensor-core speed
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} impl={args.impl} "
-           f"precision={args.precision} torch={torch.__version__}")
-    state = load_newest(args.out, os.path.basename(__file__)) if args.out else None
-    if state and state["step"] >= args.max_steps:
-        print0(f"OK nothing to train: {args.out} holds step {state['step']} of --max-steps {args.max_steps}")
-        return
-    train(args, device, state)
-
-
 # --- checkpoints: the same block in 05, 06 and 08 ---
-def load_newest(out, script):
-    """Claim --out, then the newest checkpoint in it that loads (None if none), on every rank. Global rank 0 decides:
-    a run writes only into an --out that is new, empty or its script's (`.written-by` says so), never over others'."""
-    said, mark = [None, None], os.path.join(out, ".written-by")  # [why not, the checkpoint every rank loads]
-    if RANK == 0:  # global rank 0 alone touches files: every rank holds the same state, N writers would collide
-        os.makedirs(out, exist_ok=True)
-        if os.listdir(out) and not (os.path.exists(mark) and open(mark).read() == script):
-            said[0] = f"--out {out} holds files that no run of {script} wrote: pick a new or empty directory"
-        else:
-            open(mark, "w").write(script)
-            for ckpt in reversed(checkpoints(out)):
-                try:
-                    torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=True, mmap=True)
-                    said[1] = os.path.join(ckpt, "state.pt")
-                    break
-                except Exception as e:  # a disk fault: kept aside, skipped
-                    print0(f"warning: {ckpt}/state.pt does not load ({type(e).__name__}): renamed {ckpt}.damaged")
-                    shutil.rmtree(f"{ckpt}.damaged", ignore_errors=True)  # an older damaged copy of it
-                    os.replace(ckpt, f"{ckpt}.damaged")
-    dist.broadcast_object_list(said, src=0)  # every rank stops, or resumes from the same step, alike
-    if said[0]:
-        raise UsageError(said[0])
-    # Mapped, not read: a rank reads only the pages it uses. Several nodes need rank 0's --out on a shared disk.
-    return None if said[1] is None else torch.load(said[1], map_location="cpu", weights_only=True, mmap=True)
+def load_newest(out):
+    """The newest checkpoint in --out that loads (None: none yet), on every rank. A run writes only into an --out that
+    is new, empty or holds checkpoint-* files (a run's), so never over files it did not write."""
+    if os.path.isdir(out) and os.listdir(out) and not any(f.startswith("checkpoint-") for f in os.listdir(out)):
+        raise UsageError(f"--out {out} holds files that no run wrote: pick a new or empty directory")  # on every rank
+    found = [None]  # global rank 0 alone picks, so that every rank resumes from the same step
+    if RANK == 0:
+        for step in reversed(checkpoints(out)):
+            try:
+                torch.load(f"{out}/checkpoint-{step}.pt", map_location="cpu", weights_only=True, mmap=True)
+                found[0] = f"{out}/checkpoint-{step}.pt"
+                break
+            except Exception as e:  # a disk fault: skipped, and written over when its step is saved again
+                print0(f"warning: {out}/checkpoint-{step}.pt does not load ({type(e).__name__}): skipped")
+    dist.broadcast_object_list(found, src=0)  # several nodes: rank 0's --out on a disk they all see
+    return found[0] and torch.load(found[0], map_location="cpu", weights_only=True, mmap=True)  # mapped: read lazily
 
 
-def checkpoints(out):  # out/checkpoint-STEP, oldest first
-    steps = sorted(int(d[11:]) for d in os.listdir(out) if d.startswith("checkpoint-") and d[11:].isdigit())
-    return [os.path.join(out, f"checkpoint-{s}") for s in steps]
+def checkpoints(out):  # the steps saved in --out as checkpoint-STEP.pt, oldest first
+    return sorted(int(f[11:-3]) for f in glob.glob("checkpoint-*.pt", root_dir=out) if f[11:-3].isdigit())
 
 
 def save_checkpoint(out, step, state, keep=2):
     """Global rank 0 only: written aside, then renamed into place (never half a checkpoint); the newest `keep` kept."""
-    os.makedirs(os.path.join(out, ".tmp-checkpoint"), exist_ok=True)  # or left by a crash mid-write: overwritten
-    torch.save(state, os.path.join(out, ".tmp-checkpoint", "state.pt"))
-    os.replace(os.path.join(out, ".tmp-checkpoint"), os.path.join(out, f"checkpoint-{step}"))
+    os.makedirs(out, exist_ok=True)
+    torch.save(state, f"{out}/checkpoint-tmp")  # a crash mid-write leaves only this, written over the next time
+    os.replace(f"{out}/checkpoint-tmp", f"{out}/checkpoint-{step}.pt")
     for old in checkpoints(out)[:-keep]:
-        shutil.rmtree(old)
+        os.remove(f"{out}/checkpoint-{old}.pt")
 
 
 # --- command line ---
@@ -507,7 +481,7 @@ def parse_args(argv=None):
     g.add_argument("--model", default=None, help="HF causal LM name or local dir; default: a small GPT-2 from scratch")
     g.add_argument("--dataset", default="stdlib", help="'stdlib' (Python's sources), local dir/file/glob, or HF name")
     g.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual", help="DDPCore, naive, PyTorch's")
-    g.add_argument("--compile", action="store_true", help="torch.compile each block and the loss (overlap kept)")
+    g.add_argument("--compile", action="store_true", help="torch.compile each block, the head, the loss (overlap kept)")
     g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on a GPU with it")
     g.add_argument("--batch-size", type=count, default=4, help="sequences per rank per micro-batch")
     g.add_argument("--seq-len", type=count, default=128, help="tokens per sequence")

@@ -18,9 +18,9 @@ Run it (MNIST is downloaded into --data-dir on first use; --dataset fake draws i
 """
 
 import argparse
+import glob
 import math
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -138,7 +138,7 @@ class Trainer:
                     save_checkpoint(self.args.out, epoch + 1, {
                         "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                         "scheduler": self.sched.state_dict(), "epoch": epoch + 1})
-                print0(f"saved {self.args.out}/checkpoint-{epoch + 1}")
+                print0(f"saved {self.args.out}/checkpoint-{epoch + 1}.pt")
 
     def check_replicas(self):
         """Identical gradients on identical weights keep the replicas identical: check it, bit for bit."""
@@ -242,7 +242,7 @@ def main(args):
            f"torch={torch.__version__}")
     state = None
     if args.out:
-        state = load_newest(args.out, os.path.basename(__file__))
+        state = load_newest(args.out)
         if state and state["epoch"] >= args.epochs:
             print0(f"OK nothing to train: {args.out} holds epoch {state['epoch']} of --epochs {args.epochs} "
                    "(a larger --epochs continues it)")
@@ -268,7 +268,7 @@ def main(args):
     trainer = Trainer(build_model(), train_data, val_data, args, device)
     if state:
         trainer.resume(state)
-        print0(f"resumed from {args.out}/checkpoint-{state['epoch']} after epoch {state['epoch']}")
+        print0(f"resumed from {args.out}/checkpoint-{state['epoch']}.pt after epoch {state['epoch']}")
     trainer.train()
     trainer.check_replicas()
     print0(f"OK DDP ResNet18 on {WORLD} rank(s): replicas identical after {args.epochs} epoch(s)")
@@ -295,44 +295,35 @@ def spawned(local_rank, nproc, port, argv):  # each rank: the environment torchr
 
 
 # --- checkpoints: the same block in 05, 06 and 08 ---
-def load_newest(out, script):
-    """Claim --out, then the newest checkpoint in it that loads (None if none), on every rank. Global rank 0 decides:
-    a run writes only into an --out that is new, empty or its script's (`.written-by` says so), never over others'."""
-    said, mark = [None, None], os.path.join(out, ".written-by")  # [why not, the checkpoint every rank loads]
-    if RANK == 0:  # global rank 0 alone touches files: every rank holds the same state, N writers would collide
-        os.makedirs(out, exist_ok=True)
-        if os.listdir(out) and not (os.path.exists(mark) and open(mark).read() == script):
-            said[0] = f"--out {out} holds files that no run of {script} wrote: pick a new or empty directory"
-        else:
-            open(mark, "w").write(script)
-            for ckpt in reversed(checkpoints(out)):
-                try:
-                    torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=True, mmap=True)
-                    said[1] = os.path.join(ckpt, "state.pt")
-                    break
-                except Exception as e:  # a disk fault: kept aside, skipped
-                    print0(f"warning: {ckpt}/state.pt does not load ({type(e).__name__}): renamed {ckpt}.damaged")
-                    shutil.rmtree(f"{ckpt}.damaged", ignore_errors=True)  # an older damaged copy of it
-                    os.replace(ckpt, f"{ckpt}.damaged")
-    dist.broadcast_object_list(said, src=0)  # every rank stops, or resumes from the same step, alike
-    if said[0]:
-        raise UsageError(said[0])
-    # Mapped, not read: a rank reads only the pages it uses. Several nodes need rank 0's --out on a shared disk.
-    return None if said[1] is None else torch.load(said[1], map_location="cpu", weights_only=True, mmap=True)
+def load_newest(out):
+    """The newest checkpoint in --out that loads (None: none yet), on every rank. A run writes only into an --out that
+    is new, empty or holds checkpoint-* files (a run's), so never over files it did not write."""
+    if os.path.isdir(out) and os.listdir(out) and not any(f.startswith("checkpoint-") for f in os.listdir(out)):
+        raise UsageError(f"--out {out} holds files that no run wrote: pick a new or empty directory")  # on every rank
+    found = [None]  # global rank 0 alone picks, so that every rank resumes from the same step
+    if RANK == 0:
+        for step in reversed(checkpoints(out)):
+            try:
+                torch.load(f"{out}/checkpoint-{step}.pt", map_location="cpu", weights_only=True, mmap=True)
+                found[0] = f"{out}/checkpoint-{step}.pt"
+                break
+            except Exception as e:  # a disk fault: skipped, and written over when its step is saved again
+                print0(f"warning: {out}/checkpoint-{step}.pt does not load ({type(e).__name__}): skipped")
+    dist.broadcast_object_list(found, src=0)  # several nodes: rank 0's --out on a disk they all see
+    return found[0] and torch.load(found[0], map_location="cpu", weights_only=True, mmap=True)  # mapped: read lazily
 
 
-def checkpoints(out):  # out/checkpoint-STEP, oldest first
-    steps = sorted(int(d[11:]) for d in os.listdir(out) if d.startswith("checkpoint-") and d[11:].isdigit())
-    return [os.path.join(out, f"checkpoint-{s}") for s in steps]
+def checkpoints(out):  # the steps saved in --out as checkpoint-STEP.pt, oldest first
+    return sorted(int(f[11:-3]) for f in glob.glob("checkpoint-*.pt", root_dir=out) if f[11:-3].isdigit())
 
 
 def save_checkpoint(out, step, state, keep=2):
     """Global rank 0 only: written aside, then renamed into place (never half a checkpoint); the newest `keep` kept."""
-    os.makedirs(os.path.join(out, ".tmp-checkpoint"), exist_ok=True)  # or left by a crash mid-write: overwritten
-    torch.save(state, os.path.join(out, ".tmp-checkpoint", "state.pt"))
-    os.replace(os.path.join(out, ".tmp-checkpoint"), os.path.join(out, f"checkpoint-{step}"))
+    os.makedirs(out, exist_ok=True)
+    torch.save(state, f"{out}/checkpoint-tmp")  # a crash mid-write leaves only this, written over the next time
+    os.replace(f"{out}/checkpoint-tmp", f"{out}/checkpoint-{step}.pt")
     for old in checkpoints(out)[:-keep]:
-        shutil.rmtree(old)
+        os.remove(f"{out}/checkpoint-{old}.pt")
 
 
 # --- command line ---

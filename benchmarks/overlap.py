@@ -129,7 +129,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", nargs="?", help="a chrome trace JSON from torch.profiler: read it, profile nothing")
     p.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual", help="05's --impl to profile")
-    p.add_argument("--compile", action="store_true", help="05's --compile: each block and the loss compiled")
+    p.add_argument("--compile", action="store_true", help="05's --compile: each block, the head and the loss compiled")
     p.add_argument("--model", default=None, help="05's --model (a Hugging Face name or local dir); default: 05's")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="05's --device")
     p.add_argument("--out", default="traces", help="where each rank writes its trace")

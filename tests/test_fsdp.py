@@ -41,27 +41,29 @@ def test_script_resumes_on_3_ranks_then_2_and_saves_a_plain_model(tmp_path):
         for impl in ("DDP", "ZeRO-2", "ours", "fully_shard"):
             row = next(ln for ln in first.output.splitlines() if ln.startswith(f"| {rank} | {impl} | "))
             assert "n/a" not in row, row
-    # Newer checkpoints that do not load: a file cut short, and a directory where the file should be. Both are
-    # skipped with a warning and renamed aside (kept); the run resumes from checkpoint-2.
-    (out / "checkpoint-3").mkdir()
-    (out / "checkpoint-3" / "state.pt").write_bytes(b"PK\x03\x04 cut short")
-    (out / "checkpoint-5" / "state.pt").mkdir(parents=True)
+    # Newer checkpoints that do not load, both cut short: a copy of checkpoint-2.pt and a file hardly begun. Both
+    # are skipped with a warning, newest first, and the run resumes from checkpoint-2.pt. Its step 4 is written
+    # over the damaged checkpoint-4.pt; the damaged checkpoint-3.pt stays until it is pruned as an old one.
+    (out / "checkpoint-4.pt").write_bytes((out / "checkpoint-2.pt").read_bytes()[:1000])
+    (out / "checkpoint-3.pt").write_bytes(b"PK\x03\x04 cut short")
     second = launch.torchrun(alone / SCRIPT, 3, args + ["--max-steps", "4"], timeout=240)
     assert second.returncode == 0, second.output
     warnings = [ln.split()[1] for ln in second.output.splitlines() if ln.startswith("warning: ")]
-    assert warnings == [str(out / name / "state.pt") for name in ("checkpoint-5", "checkpoint-3")], second.output
-    assert (out / "checkpoint-5.damaged").is_dir() and (out / "checkpoint-3.damaged").is_dir()
-    assert (f"resumed from {out / 'checkpoint-2'} at step 2, written by 2 ranks: every implementation reshards it "
+    assert warnings == [f"{out}/checkpoint-{step}.pt" for step in (4, 3)], second.output
+    assert (f"resumed from {out}/checkpoint-2.pt at step 2, written by 2 ranks: every implementation reshards it "
             "onto 3") in second.output, second.output
     assert second.ok_line().startswith(f"OK ours == fully_shard bit for bit after 2 AdamW steps from "
-                                       f"{out / 'checkpoint-2'} (bf16, world size 3)"), second.output
+                                       f"{out}/checkpoint-2.pt (bf16, world size 3)"), second.output
+    assert torch.load(out / "checkpoint-4.pt")["world_size"] == 3  # written over the damaged one
     assert "| 2 | ZeRO-2 | n/a (07_zero.py not beside this file)" in second.output
     fp32 = [a for a in args if a not in ("--param-dtype", "bf16")]  # where the run checks DDP's weights too
     third = launch.torchrun(SCRIPT, 2, fp32 + ["--max-steps", "6"], timeout=240)
-    assert f"resumed from {out / 'checkpoint-4'} at step 4, written by 3 ranks" in third.output, third.output
+    assert "warning: " not in third.output, third.output
+    assert f"resumed from {out}/checkpoint-4.pt at step 4, written by 3 ranks" in third.output, third.output
     assert third.ok_line().startswith(f"OK ours == fully_shard bit for bit after 2 AdamW steps from "
-                                      f"{out / 'checkpoint-4'} (fp32, world size 2), DDP within"), third.output
-    state = torch.load(out / "checkpoint-6" / "state.pt")
+                                      f"{out}/checkpoint-4.pt (fp32, world size 2), DDP within"), third.output
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4.pt", "checkpoint-6.pt"]  # 3 pruned
+    state = torch.load(out / "checkpoint-6.pt")
     assert state["step"] == 6 and state["world_size"] == 2
     assert {s["step"].item() for s in state["optimizer"]["state"].values()} == {6}  # AdamW's count went through
     model = AutoModelForCausalLM.from_pretrained(out).state_dict()
@@ -78,8 +80,8 @@ def test_a_finished_run_again_saves_its_model_and_says_nothing_is_left(tmp_path)
     crashed = launch.torchrun(SCRIPT, 2, args + ["--crash-at-step", "3"], torchrun_args=["--max-restarts=1"],
                               timeout=240)
     assert crashed.returncode == 0 and "--crash-at-step 3: SIGKILL to myself" in crashed.output, crashed.output
-    assert f"resumed from {out / 'checkpoint-3'} at step 3\n" in crashed.output, crashed.output
-    nothing = (f"OK nothing left to train: {out / 'checkpoint-3'} is step 3 of --max-steps 3; written by 2 ranks, "
+    assert f"resumed from {out}/checkpoint-3.pt at step 3\n" in crashed.output, crashed.output
+    nothing = (f"OK nothing left to train: {out}/checkpoint-3.pt is step 3 of --max-steps 3; written by 2 ranks, "
                "sharded onto 2 and gathered back bit for bit")
     assert crashed.ok_line().startswith(nothing), crashed.output
     saved = (out / "model.safetensors").read_bytes()

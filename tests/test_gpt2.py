@@ -83,7 +83,7 @@ def test_killed_restarted_damaged_and_continued(tiny_models, tmp_path):
     crashed, killed = kill_a_worker_after("saved " + str(tmp_path / "crashed" / "checkpoint-4"),
                                           args + ["--sample-tokens", 0, "--out", tmp_path / "crashed"], 240)
     assert killed and crashed.returncode == 0 and crashed.ok_line(), crashed.output
-    assert re.search(r"resumed from .*checkpoint-(4|8|12) at step (4|8|12)$", crashed.output, re.M), crashed.output
+    assert re.search(r"resumed from .*checkpoint-(4|8|12)\.pt at step (4|8|12)$", crashed.output, re.M), crashed.output
     a, b = weights(tmp_path / "whole"), weights(tmp_path / "crashed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "resumed run != uninterrupted run"
     start = weights(tiny_models / "gpt2")  # the saved model is the pretrained one's architecture, trained
@@ -102,27 +102,27 @@ def test_killed_restarted_damaged_and_continued(tiny_models, tmp_path):
                                                  blocks[:, 1:].flatten()).item()
     said = float(re.search(r"step +16/16 \| val loss +([\d.]+)", whole.output).group(1))
     assert n == 64 and abs(said - ours) < 1e-4, (said, ours)  # 2 ranks x 8 batches of 4
-    # Checkpoints are complete directories, the newest two kept, no temporary left behind.
+    # Checkpoints are complete files, the newest two kept, no temporary left behind.
     out = tmp_path / "whole"
-    assert sorted(p.name for p in out.glob("*checkpoint*")) == ["checkpoint-12", "checkpoint-16"]  # no temporary
-    state = torch.load(out / "checkpoint-16" / "state.pt", weights_only=True)
+    assert sorted(p.name for p in out.glob("*checkpoint*")) == ["checkpoint-12.pt", "checkpoint-16.pt"]
+    state = torch.load(out / "checkpoint-16.pt", weights_only=True)
     assert {"model", "optimizer", "scheduler", "step"} <= state.keys() and state["step"] == 16
     assert not any(k.startswith("module.") for k in state["model"])
 
     # Asked again, the finished run says so in one line, exit 0, and trains nothing.
     again = launch.torchrun(SCRIPT, 2, args + ["--out", out], timeout=180)
     assert again.returncode == 0 and again.ok_line().startswith("OK nothing to train"), again.output
-    # A disk fault cuts the newest checkpoint short. The next start skips it (and keeps it, renamed), resumes from
-    # the one before, and continues past the old end (--max-steps 20), with the default 120-token sample on a
-    # 64-position model kept within it.
-    damaged = out / "checkpoint-16" / "state.pt"
+    # A disk fault cuts the newest checkpoint short. The next start skips it, resumes from the one before, writes
+    # step 16 again over the damaged file, and continues past the old end (--max-steps 20), with the default
+    # 120-token sample on a 64-position model kept within it.
+    damaged = out / "checkpoint-16.pt"
     damaged.write_bytes(damaged.read_bytes()[:1000])
     more = launch.torchrun(SCRIPT, 2, args[:-1] + [20, "--out", out], timeout=180)
     assert more.returncode == 0 and more.ok_line() and "sample:" in more.output, more.output
     assert str(damaged) in lines_with(more, "does not load")[0], more.output
-    assert lines_with(more, "resumed from")[0].endswith("checkpoint-12 at step 12"), more.output
-    assert (out / "checkpoint-16.damaged" / "state.pt").stat().st_size == 1000, "the damaged checkpoint was lost"
-    assert torch.load(out / "checkpoint-20" / "state.pt", weights_only=True)["step"] == 20
+    assert lines_with(more, "resumed from")[0].endswith("checkpoint-12.pt at step 12"), more.output
+    assert torch.load(damaged, weights_only=True)["step"] == 16  # trained again from step 12, written over it
+    assert torch.load(out / "checkpoint-20.pt", weights_only=True)["step"] == 20
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def check_one_line_errors(tmp_path, cases):
 
 def test_inputs_only_the_model_or_data_reveal_are_one_line(tiny_models, tmp_path):
     """Found after loading, as one line and exit 2: an empty --dataset file or directory, too little data, a
-    --seq-len beyond the model's positions, a diverging run, and an --out holding files no run of 05 wrote (left
+    --seq-len beyond the model's positions, a diverging run, and an --out holding files no run wrote (left
     as it was)."""
     foreign, empty_dir = tmp_path / "foreign", tmp_path / "empty_dir"
     foreign.mkdir()
@@ -191,7 +191,7 @@ def test_inputs_only_the_model_or_data_reveal_are_one_line(tiny_models, tmp_path
         (["--seq-len", "100000"], "too few for 1 ranks"),
         (["--model", tiny_models / "gpt2", "--seq-len", "65"], "--seq-len 65 exceeds the model's 64 positions"),
         (["--lr", "1e6", "--max-steps", "8"], "training diverged: loss nan at step"),
-        (["--out", foreign], "holds files that no run of 05_manual_ddp_gpt2.py wrote")])
+        (["--out", foreign], f"--out {foreign} holds files that no run wrote")])
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
 
 

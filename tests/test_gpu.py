@@ -130,7 +130,7 @@ def test_exact_checks_hold_at_longer_sequences_and_checkpoints_gather_on_the_cpu
         res = launch.torchrun("08_fsdp.py", 1, args + ["--max-steps", steps], timeout=600, device="cuda", **ENV)
         assert res.returncode == 0 and res.ok_line(), res.output
     assert "resumed" in res.output, res.output
-    state = torch.load(tmp_path / "fsdp" / "checkpoint-5" / "state.pt")  # tensors come back where they were saved
+    state = torch.load(tmp_path / "fsdp" / "checkpoint-5.pt")  # tensors come back where they were saved
     tensors, todo = [], [state]
     while todo:
         x = todo.pop()

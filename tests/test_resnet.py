@@ -83,22 +83,24 @@ def test_spawn_crash_restart_damage_and_continue(tmp_path, mnist_dir, script):
     assert crashed.returncode == 0 and crashed.ok_line(), crashed.output
     assert "SIGKILL to myself" in crashed.output and "after epoch 1" in crashed.output, crashed.output
     out = tmp_path / "whole"
-    a, b = torch.load(out / "checkpoint-2" / "state.pt"), torch.load(tmp_path / "crashed" / "checkpoint-2" / "state.pt")
+    a, b = torch.load(out / "checkpoint-2.pt"), torch.load(tmp_path / "crashed" / "checkpoint-2.pt")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), "resumed run != uninterrupted run"
     assert all(torch.equal(x["momentum_buffer"], b["optimizer"]["state"][i]["momentum_buffer"])
                for i, x in a["optimizer"]["state"].items())
     # The checkpoint loads into build_model(): no "module." prefix, nothing left over; the one before is kept.
     assert set(a) == {"model", "optimizer", "scheduler", "epoch"} and a["epoch"] == 2
-    assert torch.load(out / "checkpoint-1" / "state.pt")["epoch"] == 1
+    assert torch.load(out / "checkpoint-1.pt")["epoch"] == 1
     script(SCRIPT).build_model().load_state_dict(a["model"])  # strict: every key matches
-    # The newest checkpoint is damaged: the run resumes from the one before (kept), and continues a finished run
-    # with more epochs. Asked again, the finished run says so and trains nothing.
-    (out / "checkpoint-2" / "state.pt").write_bytes((out / "checkpoint-2" / "state.pt").read_bytes()[:1000])
+    # The newest checkpoint is damaged (cut short): the run resumes from the one before and continues a finished
+    # run with more epochs, writing epoch 2 over the damaged file; the newest two stay. Asked again, the finished
+    # run says so and trains nothing.
+    (out / "checkpoint-2.pt").write_bytes((out / "checkpoint-2.pt").read_bytes()[:1000])
     more = launch.torchrun(SCRIPT, 2, args[:-1] + ["3", "--out", out], timeout=300)
     assert more.returncode == 0 and more.ok_line(), more.output
-    assert "does not load" in more.output and "after epoch 1" in more.output, more.output
-    assert (out / "checkpoint-2.damaged").is_dir(), "the damaged checkpoint was lost"
-    assert torch.load(out / "checkpoint-3" / "state.pt")["epoch"] == 3
+    assert f"warning: {out}/checkpoint-2.pt does not load (" in more.output, more.output
+    assert f"resumed from {out}/checkpoint-1.pt after epoch 1" in more.output, more.output
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2.pt", "checkpoint-3.pt"]
+    assert [torch.load(out / f"checkpoint-{e}.pt")["epoch"] for e in (2, 3)] == [2, 3]
     again = launch.torchrun(SCRIPT, 2, args[:-1] + ["3", "--out", out], timeout=300)
     assert again.returncode == 0 and again.ok_line().startswith("OK nothing to train"), again.output
     assert "train loss" not in again.output, again.output
