@@ -53,7 +53,7 @@ def test_05_opens_on_the_naive_version_then_the_core_and_the_drop_in_replaces_wh
     def section(mark):  # the index of the first line that starts with this section mark
         return next(k for k, line in enumerate(lines) if line.startswith(mark))
     idea = section("# --- data") - section("# --- the idea")  # the naive version, DDPCore and its helpers
-    loop = top["train"].end_lineno - section("# --- training")  # wrap, the schedule, the loop and its check
+    loop = top["main"].end_lineno - section("# --- training")  # wrap, the schedule, the loop and its check
     assert 2 * (idea + loop) >= len(lines), (len(lines), idea, loop)  # the file's size: test_setup.py
     methods = [n.name for n in core.body if isinstance(n, ast.FunctionDef)]
     for name in methods:
