@@ -300,6 +300,7 @@ def load_newest(out):
     is new, empty or holds checkpoint-* files (a run's), so never over files it did not write."""
     if os.path.isdir(out) and os.listdir(out) and not any(f.startswith("checkpoint-") for f in os.listdir(out)):
         raise UsageError(f"--out {out} holds files that no run wrote: pick a new or empty directory")  # on every rank
+    os.makedirs(out, exist_ok=True)  # now: a file of that name stops every rank here, not at the first save
     found = [None]  # global rank 0 alone picks, so that every rank resumes from the same step
     if RANK == 0:
         for step in reversed(checkpoints(out)):
@@ -319,7 +320,6 @@ def checkpoints(out):  # the steps saved in --out as checkpoint-STEP.pt, oldest 
 
 def save_checkpoint(out, step, state, keep=2):
     """Global rank 0 only: written aside, then renamed into place (never half a checkpoint); the newest `keep` kept."""
-    os.makedirs(out, exist_ok=True)
     torch.save(state, f"{out}/checkpoint-tmp")  # a crash mid-write leaves only this, written over the next time
     os.replace(f"{out}/checkpoint-tmp", f"{out}/checkpoint-{step}.pt")
     for old in checkpoints(out)[:-keep]:
