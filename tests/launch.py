@@ -6,7 +6,9 @@ first, send the agent SIGTERM (it forwards the signal to its workers), and SIGKI
 A hang fails the test in ``timeout`` seconds instead of stalling CI.
 """
 
+import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -173,3 +175,82 @@ def forked_cases(runs, folder, timeout=300):
     res = run([sys.executable, "tests/workers/usage_worker.py", str(cases), str(result)], timeout)
     assert not res.timed_out and res.returncode == 0, res.output
     return json.loads(result.read_text())
+
+
+@contextlib.contextmanager
+def ahead(request, jobs, workers=2):
+    """For a module-scoped fixture: start now, `workers` at a time and in the order given (the longest first), the
+    jobs of this module whose tests the session will run; yields {test name: Future}, and waits for them all at the
+    end. ``jobs``: {a test's name as pytest names it, parameters included: a function that launches what it checks}.
+    A launch that mostly waits (a hang, engines starting, one process on one of the 2 cores) then runs while others
+    work, each test still asserting on its own launch's result."""
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(workers)
+    try:
+        yield {name: pool.submit(job) for name, job in jobs.items() if name in chosen(request)}
+    finally:
+        pool.shutdown(cancel_futures=True)  # an interrupted session waits only for the launches already running
+
+
+def chosen(request):
+    """The names of the tests of this module that the session will run (parameters included)."""
+    return {item.name for item in request.session.items if item.module is request.module}
+
+
+FORKED = """
+import importlib, os, runpy, socket, sys, traceback
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+def rank(script, argv):  # a worker: the script as `python script argv` runs it, in a process forked from here
+    sys.argv, sys.path[0] = [script, *argv], os.path.dirname(script)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+
+
+nprocs, preload, script, *argv = sys.argv[1:]
+for name in filter(None, preload.split(",")):
+    importlib.import_module(name)
+for n in map(int, nprocs.split(",")):
+    print(f"[forked] {n} ranks", flush=True)
+    pid = os.fork()  # each job from this process as it is now (imported, nothing else run), one after the other
+    if pid == 0:
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            elastic_launch(LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(port),
+                                        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
+                                        monitor_interval=0.1, start_method="fork"),
+                           rank)(script, [a.replace("{nproc}", str(n)) for a in argv])
+            code = 0
+        except BaseException:
+            traceback.print_exc()  # the agent's ChildFailedError: which rank failed, as torchrun says it
+            code = 1
+        sys.stdout.flush()
+        os._exit(code)
+    print(f"[forked] {n} ranks exit {os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}", flush=True)
+os._exit(0)  # not a second of tearing down what was imported
+"""
+
+
+def torchrun_forked(script, nprocs, args=(), preload=("torch",), timeout=180, device="cpu", **env):
+    """``script`` under torchrun's own agent (torch.distributed's elastic_launch: torchrun's rendezvous and its
+    workers' environment) on each number of ranks in ``nprocs`` in turn, every rank forked from one process that
+    imported ``preload`` once: for workers whose ranks would spend most of their time importing (torch 2 s a rank,
+    transformers and lightning 8 s). "{nproc}" in ``args`` is the job's number of ranks. Returns {nproc: Result};
+    never hangs past ``timeout`` in all."""
+    t0 = time.time()
+    cmd = [sys.executable, "-c", FORKED, ",".join(map(str, nprocs)), ",".join(preload), str(REPO / script),
+           *with_device(args, device)]
+    res = run(cmd, timeout, env=make_env(**env))
+    took = f"\n[launch] {script} x{'/'.join(map(str, nprocs))} (forked) took {time.time() - t0:.1f}s\n"
+    results = {}
+    for n in nprocs:
+        job = re.search(rf"^\[forked\] {n} ranks\n(.*?)^\[forked\] {n} ranks exit (-?\d+)$", res.output, re.S | re.M)
+        results[n] = Result(int(job.group(2)), job.group(1) + took, res.timed_out) if job else \
+            Result(res.returncode or -1, res.output + took, res.timed_out)  # it never ended: all that was said
+    return results

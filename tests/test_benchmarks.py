@@ -1,4 +1,8 @@
-"""benchmarks/: each runs under torchrun and writes the JSON and PNG it promises (their speed is not asserted)."""
+"""benchmarks/: each runs under torchrun and writes the JSON and PNG it promises (their speed is not asserted).
+
+The module's launches start together (two at a time, the GPU check's single process first) and each test reads its
+own: a benchmark here measures nothing that is asserted, and the GPU check's pipeline keeps one core busy for most
+of a minute while the other launches use the second."""
 
 import json
 import sys
@@ -10,11 +14,44 @@ import launch
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """{test name: (its launch's Result(s), its output folder)}, launched ahead."""
+    def job(name, run):
+        def go():
+            out = tmp_path_factory.mktemp(name.removeprefix("test_"))
+            return run(out), out
+        return name, go
+    jobs = dict([
+        job("test_gpu_check_pipeline_at_a_tiny_shape_on_the_cpu", lambda out: launch.run(
+            [sys.executable, "benchmarks/gpu_check.py", "--tiny", "--out", out / "gc"], timeout=600)),
+        job("test_ddp_step_benchmark", lambda out: launch.torchrun("benchmarks/ddp_step.py", 2, [
+            "--seq-len", 64, "--batch-size", 4, "--steps", 2, "--warmup", 1, "--json", out / "ddp.json", "--plot",
+            out / "ddp.png"], timeout=240)),
+        job("test_gpu_check_without_cuda_is_one_line_and_runs_nothing", lambda out: [launch.run(
+            ["bash", "benchmarks/gpu_check.sh", "--out", out / "gc", *flags], timeout=120,
+            env=launch.make_env(CUDA_VISIBLE_DEVICES="")) for flags in ([], ["--peak-tflops", "0"])]),
+        job("test_fsdp_memory_benchmark", lambda out: launch.run([
+            sys.executable, "benchmarks/fsdp_memory.py", "--nproc", "1", "--rounds", "1", "--layers", "2", "--width",
+            "64", "--steps", "2", "--impls", "fully_shard", "ours", "--json", out / "mem.json"], timeout=180)),
+        job("test_overlap_profiles_05s_steps_and_reads_its_trace", lambda out: launch.torchrun(
+            "benchmarks/overlap.py", 2, ["--out", out / "traces", "--json", out / "o.json"], timeout=240)),
+        job("test_all_reduce_benchmark", lambda out: launch.torchrun("benchmarks/all_reduce.py", 3, [
+            "--max-bytes", 64 << 10, "--iters", 2, "--json", out / "ar.json", "--plot", out / "ar.png"], timeout=120)),
+        job("test_send_recv_benchmark", lambda out: launch.torchrun("benchmarks/send_recv.py", 2, [
+            "--max-bytes", 4096, "--iters", 3, "--json", out / "p2p.json"], timeout=90))])
+    with launch.ahead(request, jobs) as futures:
+        yield futures
+
+
+def result(launched, request):
+    return launched[request.node.name].result()
+
+
 @pytest.mark.slow
-def test_all_reduce_benchmark(tmp_path):
-    out, png = tmp_path / "ar.json", tmp_path / "ar.png"
-    res = launch.torchrun("benchmarks/all_reduce.py", 3, ["--max-bytes", 64 << 10, "--iters", 2,
-                                                          "--json", out, "--plot", png], timeout=120)
+def test_all_reduce_benchmark(launched, request):
+    res, folder = result(launched, request)
+    out, png = folder / "ar.json", folder / "ar.png"
     assert res.returncode == 0 and res.ok_line(), res.output
     report = json.loads(out.read_text())
     assert (report["world_size"], report["backend"], report["device"]) == (3, "gloo", "cpu")
@@ -31,9 +68,9 @@ def test_all_reduce_benchmark(tmp_path):
     assert png.read_bytes()[:8] == PNG
 
 
-def test_send_recv_benchmark(tmp_path):
-    out = tmp_path / "p2p.json"
-    res = launch.torchrun("benchmarks/send_recv.py", 2, ["--max-bytes", 4096, "--iters", 3, "--json", out], timeout=90)
+def test_send_recv_benchmark(launched, request):
+    res, folder = result(launched, request)
+    out = folder / "p2p.json"
     assert res.returncode == 0 and res.ok_line(), res.output
     rows = json.loads(out.read_text())["rows"]
     assert [r["bytes"] for r in rows] == [4, 16, 64, 256, 1024, 4096]
@@ -41,10 +78,9 @@ def test_send_recv_benchmark(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_step_benchmark(tmp_path):
-    out, png = tmp_path / "ddp.json", tmp_path / "ddp.png"
-    args = ["--seq-len", 64, "--batch-size", 4, "--steps", 2, "--warmup", 1, "--json", out, "--plot", png]
-    res = launch.torchrun("benchmarks/ddp_step.py", 2, args, timeout=240)
+def test_ddp_step_benchmark(launched, request):
+    res, folder = result(launched, request)
+    out, png = folder / "ddp.json", folder / "ddp.png"
     assert res.returncode == 0 and res.ok_line(), res.output
     report = json.loads(out.read_text())
     assert (report["world_size"], report["backend"], report["model_size"]) == (2, "gloo", "small")
@@ -68,15 +104,14 @@ def test_ddp_step_benchmark(tmp_path):
 
 
 @pytest.mark.slow
-def test_overlap_profiles_05s_steps_and_reads_its_trace(tmp_path):
+def test_overlap_profiles_05s_steps_and_reads_its_trace(launched, request):
     """Under torchrun, overlap.py trains 05's model with DDPCore under the profiler (each rank its trace) and reads
     rank 0's. Whether gloo finished a bucket inside backward is timing (exit 0 or 1): not checked."""
-    res = launch.torchrun("benchmarks/overlap.py", 2, ["--out", tmp_path / "traces", "--json", tmp_path / "o.json"],
-                          timeout=240)
+    res, folder = result(launched, request)
     assert res.returncode in (0, 1) and "ProfilerStep#" in res.output and "all-reduces launched" in res.output, \
         res.output
-    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["trace_rank0.json", "trace_rank1.json"]
-    rows = json.loads((tmp_path / "o.json").read_text())
+    assert sorted(p.name for p in (folder / "traces").iterdir()) == ["trace_rank0.json", "trace_rank1.json"]
+    rows = json.loads((folder / "o.json").read_text())
     assert len(rows) == 3 and all(r["launched_inside_backward"] == 2 for r in rows), rows  # 05's two buckets
 
 
@@ -99,12 +134,11 @@ def test_overlap_reader_says_what_is_wrong_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_memory_benchmark(tmp_path):
+def test_fsdp_memory_benchmark(launched, request):
     """A launch each for fully_shard and ours (DDP's is the same code path, with DDP), each reporting its peak and
     the resident set it started from."""
-    out = tmp_path / "mem.json"
-    res = launch.run([sys.executable, "benchmarks/fsdp_memory.py", "--nproc", "1", "--rounds", "1", "--layers", "2",
-                      "--width", "64", "--steps", "2", "--impls", "fully_shard", "ours", "--json", out], timeout=180)
+    res, folder = result(launched, request)
+    out = folder / "mem.json"
     assert res.returncode == 0 and "above base, ours' highest" in res.output, res.output
     rows = json.loads(out.read_text())["rows"]
     assert sorted(r["impl"] for r in rows) == ["fully_shard", "ours"]
@@ -115,13 +149,12 @@ GPU_CHECK_ROW = {"name", "impl", "compile", "world_size", "tokens_per_s", "mfu",
                  "seq_len", "batch_size"}  # the shape benchmarks/costmodel.py reads
 
 
-def test_gpu_check_without_cuda_is_one_line_and_runs_nothing(tmp_path, script):
+def test_gpu_check_without_cuda_is_one_line_and_runs_nothing(launched, request, tmp_path, script):
     """benchmarks/gpu_check.sh with CUDA hidden (so the test means the same on a GPU machine): one line, exit 2,
     nothing written; a bad flag is one `error:` line. The GPU names torch reports map to their peaks."""
-    out = tmp_path / "gc"
-    for flags, first in (([], "gpu_check: no CUDA GPU here"), (["--peak-tflops", "0"], "error: --peak-tflops")):
-        res = launch.run(["bash", "benchmarks/gpu_check.sh", "--out", out, *flags], timeout=120,
-                         env=launch.make_env(CUDA_VISIBLE_DEVICES=""))
+    runs, folder = result(launched, request)
+    out = folder / "gc"
+    for res, first in zip(runs, ("gpu_check: no CUDA GPU here", "error: --peak-tflops")):
         lines = res.output.strip().splitlines()
         assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith(first), res.output
         assert not out.exists()
@@ -135,12 +168,12 @@ def test_gpu_check_without_cuda_is_one_line_and_runs_nothing(tmp_path, script):
 
 
 @pytest.mark.slow
-def test_gpu_check_pipeline_at_a_tiny_shape_on_the_cpu(tmp_path):
+def test_gpu_check_pipeline_at_a_tiny_shape_on_the_cpu(launched, request):
     """gpu_check.py --tiny: the GPU check's whole pipeline (a model saved for 05's --model, 05's four runs, the
     ceiling, the table, the JSON) at a 2-layer shape on the CPU over gloo. It measures nothing: it checks that what
     a GPU run prints and writes comes out whole, tokens/s as 05 itself printed them."""
-    out = tmp_path / "gc"
-    res = launch.run([sys.executable, "benchmarks/gpu_check.py", "--tiny", "--out", out], timeout=600)
+    res, folder = result(launched, request)
+    out = folder / "gc"
     assert res.returncode == 0 and res.ok_line(), res.output
     report = json.loads((out / "gpu_check.json").read_text())
     assert set(report) == {"gpu", "torch", "peak_tflops", "rows"}, report

@@ -1,10 +1,12 @@
 """PyTorch's own DDP tests, run on ManualDDP: a representative handful (tests/ddp_conformance.py runs them all).
 
 The tests come from the suite the torch wheel ships (torch/testing/_internal/distributed/distributed_test.py), run
-as test/distributed/test_distributed_spawn.py runs them (gloo, one spawned process per rank), with
-DistributedDataParallel replaced by 05's ManualDDP in every rank. Most of that suite's DDP tests ask for a GPU per
-rank; --gpu-tests-on-cpu runs them on the CPU (each one below passes that way on PyTorch's DDP too). One launch of the
-conformance script runs them all; each test here reads its verdict.
+as test/distributed/test_distributed_spawn.py runs them (gloo, one process per rank), with DistributedDataParallel
+replaced by 05's ManualDDP in every rank; here the ranks are forked from the process that imported the suite
+(--fork), not spawned to import torch and the suite again (4 s a test on 2 cores, for a test of 0.3 s): the same test
+methods run in them. Most of that suite's DDP tests ask for a GPU per rank; --gpu-tests-on-cpu runs them on the CPU
+(each one below passes that way on PyTorch's DDP too). One launch of the conformance script runs them all; each test
+here reads its verdict.
 """
 
 import importlib.util
@@ -16,7 +18,7 @@ import pytest
 import launch
 
 # Each passes on PyTorch's DDP and uses only DDP's public API: what a drop-in must get right. Four, for the suite's
-# time (each spawns its ranks anew, ~4 s, after ~4 s of importing and picking the suite's tests): all 50 that pass
+# time (~4 s of importing and picking the suite's tests, then each forks its ranks anew): all 50 that pass
 # on DDP run in tests/ddp_conformance.py's full run (docs/manual_ddp.md has its table; run it after changing
 # ManualDDP, as the note of each such change says).
 CHOSEN = {
@@ -39,8 +41,8 @@ def verdicts(tmp_path_factory):
     out = tmp_path_factory.mktemp("conformance")
     names = list(CHOSEN)
     cmd = [sys.executable, "tests/ddp_conformance.py", "--impl", "manual", "--world-size", "2", "--timeout", "60",
-           "--gpu-tests-on-cpu", "--out", str(out), "-k", f"^({'|'.join(names)})$"]
-    res = launch.run(cmd, timeout=480)  # ~6 s a test alone; a loaded machine can take ten times that
+           "--gpu-tests-on-cpu", "--fork", "--out", str(out), "-k", f"^({'|'.join(names)})$"]
+    res = launch.run(cmd, timeout=480)  # ~10 s alone; a loaded machine can take ten times that
     assert not res.timed_out, res.output
     lines = [json.loads(ln) for ln in (out / "results_manual_ws2_gpu_tests_on_cpu.jsonl").read_text().splitlines()]
     found = {ev["test"]: ev for ev in lines if ev["event"] == "result"}

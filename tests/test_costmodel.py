@@ -502,10 +502,28 @@ def test_predictions_hold_on_3_ranks(tmp_path):
     assert report["world_size"] == 3
 
 
+@pytest.fixture(scope="module")
+def untimed(request, tmp_path_factory):
+    """After the checks (which time the machine, so nothing runs beside them), the two launches whose times nobody
+    asserts start side by side: fit's 2 ranks, and the docs page's figures (one process)."""
+    def job(run):
+        def go():
+            out = tmp_path_factory.mktemp("untimed")
+            return run(out), out
+        return go
+    with launch.ahead(request, {
+            "test_fit_writes_a_calibration_that_collective_reads": job(lambda out: launch.torchrun(
+                "benchmarks/costmodel.py", 2, ["fit", "--out", out / "cal.json", "--iters", 2], timeout=240)),
+            "test_the_docs_page_shows_the_figures_with_their_commands": job(lambda out: launch.run(
+                [sys.executable, "docs/figures.py", "scaling", "fsdp", "--quick", "--out", out], timeout=120))}) \
+            as futures:
+        yield futures
+
+
 @pytest.mark.slow
-def test_fit_writes_a_calibration_that_collective_reads(tmp_path):
-    out = tmp_path / "cal.json"
-    res = launch.torchrun("benchmarks/costmodel.py", 2, ["fit", "--out", out, "--iters", 2], timeout=240)
+def test_fit_writes_a_calibration_that_collective_reads(untimed, request):
+    res, folder = untimed[request.node.name].result()
+    out = folder / "cal.json"
     assert res.returncode == 0 and res.ok_line(), res.output
     cal = json.loads(out.read_text())
     assert cal["alpha_s"] >= 0 and cal["beta_s_per_byte"] > 0 and cal["gamma_s_per_byte"] > 0, cal
@@ -513,7 +531,7 @@ def test_fit_writes_a_calibration_that_collective_reads(tmp_path):
     assert res.returncode == 0 and json.loads(res.output)["ms"] > 0, res.output
 
 
-def test_the_docs_page_shows_the_figures_with_their_commands(tmp_path):
+def test_the_docs_page_shows_the_figures_with_their_commands(untimed, request):
     """docs/costmodel.md (README's section on the cost model moved there) shows both figures and their commands;
     both commands run (in one process: matplotlib is imported once)."""
     page = (launch.REPO / "docs" / "costmodel.md").read_text()
@@ -528,10 +546,10 @@ def test_the_docs_page_shows_the_figures_with_their_commands(tmp_path):
                   "--activation-checkpointing", "full", "--grad-accum", 4, "--mfu", 0.5]):
         res = cli("predict", *args)
         assert res.returncode == 0 and all(line in page for line in res.output.strip().splitlines()), res.output
-    res = launch.run([sys.executable, "docs/figures.py", "scaling", "fsdp", "--quick", "--out", tmp_path], timeout=120)
+    res, folder = untimed[request.node.name].result()
     assert res.returncode == 0, res.output
     for name in ("costmodel_scaling", "fsdp_timeline"):
-        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert (folder / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
 # Pythia-1B's config.json as EleutherAI/pythia-1b publishes it (GPT-NeoX: 4d MLP, parallel residual, a quarter of

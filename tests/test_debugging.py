@@ -14,7 +14,9 @@ a DataLoader worker, `sleep`, with py-spy beside a venv's python and with none; 
 under DDP, and on a rank-0-only resume listing the optimizer's state first. check_replicas' own cases
 (tests/workers/check_replicas_worker.py) on 2 and 3 ranks; the find-the-bug rung fails as shipped and passes fixed.
 
-Launches with the same purpose run side by side: most of a hang test is waiting, which the other fills.
+Launches with the same purpose run side by side: most of a hang test is waiting, which the other fills. 09's
+scenarios keep both cores busy and run alone; the other tests' launches start together once they come (two tests'
+at a time, the hangs first), each test asserting on its own.
 """
 
 import json
@@ -86,28 +88,52 @@ def test_every_scenario_shows_its_symptom_its_diagnosis_and_its_fix_on_2_and_3_r
     assert "stacks skipped" not in two and "$ python debug_tools.py stacks " not in runs[3].output
 
 
-def test_check_replicas_names_the_tensor_the_ranks_and_the_difference_on_every_rank():
-    with ThreadPoolExecutor(2) as pool:
-        runs = dict(zip([2, 3], pool.map(lambda n: launch.torchrun("tests/workers/check_replicas_worker.py", n,
-                                                                   timeout=300, device=None), [2, 3])))
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """{test name: what its launches returned}, launched ahead: the longest and most waiting first."""
+    jobs = {"test_stacks_and_the_flight_recorder_find_each_hang_of_a_readers_ddp_job_on_2_and_3_ranks": hangs,
+            "test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_workers": spawned_jobs,
+            "test_check_replicas_finds_a_per_rank_seed_and_a_tensor_attribute_that_ddp_never_broadcasts": seeded,
+            "test_check_replicas_names_the_tensor_the_ranks_and_the_difference_on_every_rank": replicas_cases,
+            "test_a_scenario_needs_two_ranks_a_known_name_and_broken_one_scenario": usage_errors,
+            "test_find_the_bug_fails_as_shipped_and_passes_once_fixed": find_the_bug}
+    with launch.ahead(request, {name: lambda f=f: f(tmp_path_factory.mktemp("job")) for name, f in jobs.items()}) \
+            as futures:
+        yield futures
+
+
+def replicas_cases(_):  # the ranks of both jobs forked from one process that imported torch
+    return launch.torchrun_forked("tests/workers/check_replicas_worker.py", [2, 3], timeout=300, device=None)
+
+
+def test_check_replicas_names_the_tensor_the_ranks_and_the_difference_on_every_rank(launched, request):
+    runs = launched[request.node.name].result()
     for nproc, res in runs.items():
         assert not res.timed_out and res.returncode == 0, res.output[-4000:]
         assert res.ok_line() == f"OK check_replicas on {nproc} ranks: 22 cases", res.output[-4000:]
 
 
-def test_a_scenario_needs_two_ranks_a_known_name_and_broken_one_scenario():
-    res = launch.python("09_debugging.py", ["--fault", "drift"], timeout=120)
+def usage_errors(_):
+    return [launch.python("09_debugging.py", args, timeout=120) for args in (["--fault", "drift"],
+                                                                          ["--fault", "nope"], ["--broken"])]
+
+
+def test_a_scenario_needs_two_ranks_a_known_name_and_broken_one_scenario(launched, request):
+    res, nope, broken = launched[request.node.name].result()
     assert res.returncode == 2 and "error: 09 needs 2 or more ranks" in res.output, res.output
-    res = launch.python("09_debugging.py", ["--fault", "nope"], timeout=120)
-    assert res.returncode == 2 and "error: argument --fault" in res.output, res.output
-    res = launch.python("09_debugging.py", ["--broken"], timeout=120)
-    assert res.returncode == 2 and "error: --broken runs one scenario's program" in res.output, res.output
+    assert nope.returncode == 2 and "error: argument --fault" in nope.output, nope.output
+    assert broken.returncode == 2 and "error: --broken runs one scenario's program" in broken.output, broken.output
 
 
-def test_find_the_bug_fails_as_shipped_and_passes_once_fixed(tmp_path):
-    verdicts = tmp_path / "v.json"
-    res = launch.run([sys.executable, "exercises/check.py", "find_the_bug", "--file", "exercises/find_the_bug.py",
-                      "--file", "tests/exercise_solutions/find_the_bug.py", "--json", str(verdicts)], timeout=300)
+def find_the_bug(folder):
+    verdicts = folder / "v.json"
+    return launch.run([sys.executable, "exercises/check.py", "find_the_bug", "--file", "exercises/find_the_bug.py",
+                       "--file", "tests/exercise_solutions/find_the_bug.py", "--json", str(verdicts)],
+                      timeout=300), verdicts
+
+
+def test_find_the_bug_fails_as_shipped_and_passes_once_fixed(launched, request):
+    res, verdicts = launched[request.node.name].result()
     assert not res.timed_out, res.output
     shipped, fixed = json.loads(verdicts.read_text())
     assert shipped["status"] == "fail" and "replicas differ" in shipped["text"], res.output
@@ -204,17 +230,22 @@ def eval_gather(nproc, folder):
                       folder=folder)
 
 
-@pytest.mark.slow
-def test_stacks_and_the_flight_recorder_find_each_hang_of_a_readers_ddp_job_on_2_and_3_ranks(tmp_path):
-    """The 2-rank evaluation hang records into the folder the 3-rank one used: `fr` reads the 2-rank run alone and
-    says it skipped the stale rank_2."""
+def hangs(folder):
     def both_eval_gathers(_):
-        return eval_gather(3, str(tmp_path)), eval_gather(2, str(tmp_path))
+        return eval_gather(3, str(folder)), eval_gather(2, str(folder))
     # Three jobs at once (the two evaluation hangs in turn): a hang test is mostly waiting, which the others fill.
     jobs = [(uneven, 2), (uneven, 3), (both_eval_gathers, None)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = dict(zip(jobs, pool.map(lambda job: job[0](job[1]), jobs)))
     results[eval_gather, 3], results[eval_gather, 2] = results.pop((both_eval_gathers, None))
+    return results
+
+
+@pytest.mark.slow
+def test_stacks_and_the_flight_recorder_find_each_hang_of_a_readers_ddp_job_on_2_and_3_ranks(launched, request):
+    """The 2-rank evaluation hang records into the folder the 3-rank one used: `fr` reads the 2-rank run alone and
+    says it skipped the stale rank_2."""
+    results = launched[request.node.name].result()
     for (bug, nproc), (out, found) in results.items():
         assert found, f"{bug.__name__} on {nproc} ranks: the job never hung as planned\n{out[-3000:]}"
     for nproc in (2, 3):
@@ -242,16 +273,19 @@ def test_stacks_and_the_flight_recorder_find_each_hang_of_a_readers_ddp_job_on_2
     assert "rank 2" not in stale, stale
 
 
+def seeded(_):
+    runs = [(2, ["--bug", "seed"]), (3, ["--bug", "seed", "--ddp"])]
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return list(pool.map(lambda run: launch.torchrun(WORKER, run[0], [*run[1], "--check", "--epochs", "1"],
+                                                         timeout=300, device=None, PYTHONPATH=launch.REPO), runs))
+
+
 @pytest.mark.slow
-def test_check_replicas_finds_a_per_rank_seed_and_a_tensor_attribute_that_ddp_never_broadcasts():
+def test_check_replicas_finds_a_per_rank_seed_and_a_tensor_attribute_that_ddp_never_broadcasts(launched, request):
     """torch.manual_seed(rank) before the model: averaged by hand, every tensor differs; under PyTorch's DDP, which
     broadcasts parameters and buffers, only the plain tensor attribute `proj` does (an ordinary DDP loop's quiet
     verdict, optimizer state included: check_replicas_worker)."""
-    runs = [(2, ["--bug", "seed"]), (3, ["--bug", "seed", "--ddp"])]
-    with ThreadPoolExecutor(len(runs)) as pool:
-        results = list(pool.map(lambda run: launch.torchrun(WORKER, run[0], [*run[1], "--check", "--epochs", "1"],
-                                                            timeout=300, device=None, PYTHONPATH=launch.REPO), runs))
-    hand, ddp = (res.output for res in results)
+    hand, ddp = (res.output for res in launched[request.node.name].result())
     assert "ReplicasDiffer: replicas differ in 5 places (parameters 4, tensor attributes 1)" in hand, hand[-3000:]
     assert "]:   fc1.weight (float32, (32, 16)) on rank(s) [1] differs" in hand, hand[-3000:]  # torchrun: [rank1]:
     assert "]:   proj (float32, (16, 16)) on rank(s) [1] differs" in hand, hand[-3000:]
@@ -265,18 +299,8 @@ def test_check_replicas_finds_a_per_rank_seed_and_a_tensor_attribute_that_ddp_ne
 SPAWN = "tests/workers/spawn_train.py"
 
 
-@pytest.mark.slow
-def test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_workers(tmp_path):
-    """tests/workers/spawn_train.py (mp.spawn, so no RANK in the ranks' environment; 2 DataLoader workers per rank;
-    BatchNorm under DDP; check_replicas every 4 steps), three runs at once:
-    - mp.spawn, rank 0 alone in a barrier: `stacks` from mp.spawn's parent finds both ranks, each labelled with its
-      rank, and their workers; from a worker's pid, the same, the worker named as such, no "run this on every node";
-      from `sleep`, one line; under a venv's python (not activated) with py-spy beside it, found; with py-spy hidden,
-      one line that says how to get it and what faulthandler does instead. check_replicas at step 0, after a step:
-      quiet, BatchNorm's statistics reported as what DDP overwrites (broadcast_buffers=True).
-    - the same under torchrun: a worker's pid (RANK inherited) is a worker of its rank, both ranks found.
-    - mp.spawn, a resume in which rank 0 alone loads the optimizer's state, broadcast_buffers=False: the error
-      counts every difference, the optimizer's state listed before the parameters, then BatchNorm's statistics."""
+def spawned_jobs(folder):
+    """test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_workers's three runs."""
     import importlib.util
 
     import torch
@@ -289,9 +313,9 @@ def test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_w
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     model(torch.randn(16, 10)).sum().backward()
     opt.step()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ckpt.pt")
-    hidden, path = venv_python(tmp_path)
-    beside, _ = venv_python(tmp_path, py_spy=True)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, folder / "ckpt.pt")
+    hidden, path = venv_python(folder)
+    beside, _ = venv_python(folder, py_spy=True)
 
     def spawned(launcher, pids, d):
         with subprocess.Popen(["sleep", "60"]) as sleep:
@@ -308,12 +332,26 @@ def test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_w
             "torchrun": lambda: reader_job(2, ["--bug", "rank0-barrier"], hung, lambda launcher, pids, d:
                                            (pids, {"worker": tool("stacks", pids["0.1"])}), script=SPAWN),
             "resume": lambda: launch.run([sys.executable, SPAWN, "--bug", "resume-rank0", "--ckpt",
-                                          str(tmp_path / "ckpt.pt"), "--no-broadcast-buffers", "--port",
+                                          str(folder / "ckpt.pt"), "--no-broadcast-buffers", "--port",
                                           str(launch.free_port())], timeout=300,
                                          env=launch.make_env(PYTHONPATH=launch.REPO))}
     with ThreadPoolExecutor(len(runs)) as pool:
-        results = dict(zip(runs, pool.map(lambda run: run(), runs.values())))
+        return dict(zip(runs, pool.map(lambda run: run(), runs.values()))), hidden
 
+
+@pytest.mark.slow
+def test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_workers(launched, request):
+    """tests/workers/spawn_train.py (mp.spawn, so no RANK in the ranks' environment; 2 DataLoader workers per rank;
+    BatchNorm under DDP; check_replicas every 4 steps), three runs at once:
+    - mp.spawn, rank 0 alone in a barrier: `stacks` from mp.spawn's parent finds both ranks, each labelled with its
+      rank, and their workers; from a worker's pid, the same, the worker named as such, no "run this on every node";
+      from `sleep`, one line; under a venv's python (not activated) with py-spy beside it, found; with py-spy hidden,
+      one line that says how to get it and what faulthandler does instead. check_replicas at step 0, after a step:
+      quiet, BatchNorm's statistics reported as what DDP overwrites (broadcast_buffers=True).
+    - the same under torchrun: a worker's pid (RANK inherited) is a worker of its rank, both ranks found.
+    - mp.spawn, a resume in which rank 0 alone loads the optimizer's state, broadcast_buffers=False: the error
+      counts every difference, the optimizer's state listed before the parameters, then BatchNorm's statistics."""
+    results, hidden = launched[request.node.name].result()
     out, found = results["mp.spawn"]
     assert found, f"mp.spawn: the job never hung as planned\n{out[-3000:]}"
     pids, stacks = found

@@ -2,8 +2,9 @@
 implemented", planted mistakes fail with the message that names them, and a deadlock ends in bounded time.
 
 A planted mistake is a small edit of a correct participant's solution (tests/exercise_solutions/NAME.py), written
-to tmp_path. One check.py run per rung grades all of its files (the ranks are forked from one process that
-imported torch once), so the whole file stays near a minute on 2 cores.
+to a temporary folder. One check.py run per rung grades all of its files (the ranks are forked from one process that
+imported torch once); the module's runs start together, two at a time (one check.py mostly keeps one core busy, and
+a planted hang waits), and each test reads its own.
 """
 
 import json
@@ -161,19 +162,47 @@ def check(name, files, tmp_path, *flags, timeout=240):
     return res, json.loads(out.read_text()) if out.exists() else None
 
 
+def rung(name, folder):
+    """check.py on a rung's files: ours, the solution, the stub, the variants, then each planted mistake."""
+    variants = [SOLUTIONS / v for v in VARIANTS.get(name, [])]
+    files = [launch.REPO / PROJECT[name], SOLUTIONS / f"{name}.py", launch.REPO / "exercises" / f"{name}.py"]
+    files += variants
+    files += [plant(name, m[0], folder / f"{name}_{k}.py") for k, m in enumerate(MISTAKES[name].values())]
+    flags = ([] if name == "ring_all_reduce" else ["--no-speed"]) + (["--hang-s", HANG_S[name]]
+                                                                      if name in HANG_S else [])
+    return files, variants, *check(name, files, folder, *flags)
+
+
+def deadlocking_ring(folder):
+    """Blocking sends in a ring: every rank sends first and nobody receives."""
+    blocking = plant("ring_all_reduce", [("reqs = [dist.isend(send, right), dist.irecv(inbox, left)]",
+                                          "dist.send(send, right)\n        dist.recv(inbox, left)\n        reqs = []")],
+                     folder / "blocking_ring.py")
+    return blocking, *check("ring_all_reduce", [blocking], folder, "--hang-s", "3", "--no-speed", timeout=60)
+
+
+@pytest.fixture(scope="module")
+def checked(request, tmp_path_factory):
+    """{test name: what its check.py run returned}, run ahead: the planted hang and the measured ring first."""
+    def job(f):
+        return lambda: f(tmp_path_factory.mktemp("check"))
+    jobs = {f"test_checker_passes_ours_and_names_each_planted_mistake[{name}]": job(lambda d, name=name: rung(name, d))
+            for name in ("tree_broadcast", "ring_all_reduce")}
+    jobs["test_a_deadlocking_ring_ends_in_bounded_time_with_where_each_rank_waited"] = job(deadlocking_ring)
+    jobs.update({f"test_checker_passes_ours_and_names_each_planted_mistake[{name}]": job(
+        lambda d, name=name: rung(name, d)) for name in MISTAKES})  # the rest, in the tests' order
+    jobs["test_checker_exits_zero_when_the_file_passes"] = job(lambda d: check("sampler", [], d, "--solution"))
+    with launch.ahead(request, jobs) as futures:
+        yield futures
+
+
 @pytest.mark.parametrize("name", list(MISTAKES))
-def test_checker_passes_ours_and_names_each_planted_mistake(name, tmp_path):
+def test_checker_passes_ours_and_names_each_planted_mistake(name, checked, request):
     """One run per rung: the project's own code and a participant's solution pass; the untouched stub says "not
     implemented" and names its file; each planted mistake fails with the words that name it."""
     mistakes = MISTAKES[name]
     assert len(mistakes) >= 3
-    variants = [SOLUTIONS / v for v in VARIANTS.get(name, [])]
-    files = [launch.REPO / PROJECT[name], SOLUTIONS / f"{name}.py", launch.REPO / "exercises" / f"{name}.py"]
-    files += variants
-    files += [plant(name, m[0], tmp_path / f"{name}_{k}.py") for k, m in enumerate(mistakes.values())]
-    flags = ([] if name == "ring_all_reduce" else ["--no-speed"]) + (["--hang-s", HANG_S[name]]
-                                                                      if name in HANG_S else [])
-    res, verdicts = check(name, files, tmp_path, *flags)
+    files, variants, res, verdicts = checked[request.node.name].result()
     assert verdicts is not None and len(verdicts) == len(files), res.output
     assert res.returncode == 1, res.output  # not every file passes: non-zero
     for f, v in zip(files, verdicts):  # each file as it was given (here: absolute), never climbing out with ../
@@ -199,20 +228,17 @@ def test_checker_passes_ours_and_names_each_planted_mistake(name, tmp_path):
         assert "vrank v < step sends to v + step" in hang and "ring" not in hang, hang
 
 
-def test_checker_exits_zero_when_the_file_passes(tmp_path):
-    res, (v,) = check("sampler", [], tmp_path, "--solution")
+def test_checker_exits_zero_when_the_file_passes(checked, request):
+    res, (v,) = checked[request.node.name].result()
     assert res.returncode == 0 and v["status"] == "ok", res.output
     assert v["file"].endswith("04_sampler.py"), v
 
 
-def test_a_deadlocking_ring_ends_in_bounded_time_with_where_each_rank_waited(tmp_path):
+def test_a_deadlocking_ring_ends_in_bounded_time_with_where_each_rank_waited(checked, request):
     """Blocking sends in a ring: every rank sends first and nobody receives. The checker stops within --hang-s
     (plus a grace) and says, in one line, where each rank waited, and why."""
-    blocking = plant("ring_all_reduce", [("reqs = [dist.isend(send, right), dist.irecv(inbox, left)]",
-                                          "dist.send(send, right)\n        dist.recv(inbox, left)\n        reqs = []")],
-                     tmp_path / "blocking_ring.py")
+    blocking, res, (v,) = checked[request.node.name].result()
     line = next(n for n, text in enumerate(blocking.read_text().splitlines(), 1) if "dist.send(" in text)
-    res, (v,) = check("ring_all_reduce", [blocking], tmp_path, "--hang-s", "3", "--no-speed", timeout=60)
     assert res.returncode == 1 and v["status"] == "hang", res.output
     first = v["text"].splitlines()[0]
     assert first.startswith("HANG") and "no progress for 3 s in case 1 of" in first, first

@@ -30,11 +30,26 @@ def png_text(path):
     return chunks[0] == b"IHDR" and chunks[-1] == b"IEND" and b"IDAT" in chunks, fields
 
 
+@pytest.fixture(scope="module")
+def made(request, tmp_path_factory):
+    """{test name: (what its drawing command printed, its folder)}, drawn ahead and side by side: the ring figure
+    waits on two benchmark launches, the diagrams keep one core busy."""
+    def draw(command, timeout, folders=("",)):
+        def go():
+            out = tmp_path_factory.mktemp("drawn")
+            return [launch.run([sys.executable, *command, "--out", out / f], timeout) for f in folders], out
+        return go
+    with launch.ahead(request, {
+            "test_the_ring_figure_is_drawn_from_two_real_runs": draw(["docs/figures.py", "ring", "--quick"], 240),
+            "test_the_diagrams_are_drawn_again_the_same": draw(["docs/diagrams.py"], 120, "ab")}) as futures:
+        yield futures
+
+
 @pytest.mark.slow  # two benchmark runs, ~15 s
-def test_the_ring_figure_is_drawn_from_two_real_runs(tmp_path):
-    res = launch.run([sys.executable, "docs/figures.py", "ring", "--quick", "--out", tmp_path], timeout=240)
+def test_the_ring_figure_is_drawn_from_two_real_runs(made, request):
+    (res,), folder = made[request.node.name].result()
     assert res.returncode == 0 and "wrote" in res.output, res.output
-    path = tmp_path / "ring_busbw.png"
+    path = folder / "ring_busbw.png"
     valid, text = png_text(path)
     assert valid and 5_000 < path.stat().st_size < 200_000, path.stat().st_size
     assert "message size" in text["Description"] and "bus bandwidth" in text["Description"], text
@@ -74,17 +89,17 @@ def creator(svg):
     return re.search(rb"Matplotlib v[^,<]+", svg).group()
 
 
-def test_the_diagrams_are_drawn_again_the_same(tmp_path):
-    runs = [launch.run([sys.executable, "docs/diagrams.py", "--out", tmp_path / k], timeout=120) for k in "ab"]
+def test_the_diagrams_are_drawn_again_the_same(made, request):
+    runs, folder = made[request.node.name].result()
     for res in runs:
         assert res.returncode == 0 and res.output.count("wrote") == len(DIAGRAMS), res.output
     for name, (_, words) in DIAGRAMS.items():
-        drawn = (tmp_path / "a" / f"{name}.svg").read_bytes()
+        drawn = (folder / "a" / f"{name}.svg").read_bytes()
         root = ElementTree.fromstring(drawn)
         assert root.tag == "{http://www.w3.org/2000/svg}svg" and root.find("{http://www.w3.org/2000/svg}title").text
         text = " ".join("".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text"))
         assert all(w in text for w in words), (name, text)
-        assert drawn == (tmp_path / "b" / f"{name}.svg").read_bytes(), f"{name}: two runs differ"
+        assert drawn == (folder / "b" / f"{name}.svg").read_bytes(), f"{name}: two runs differ"
         committed = (launch.REPO / "docs" / f"{name}.svg").read_bytes()
         # The same matplotlib writes the same bytes; another version may place a point differently.
         if creator(committed) == creator(drawn):

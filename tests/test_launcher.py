@@ -64,9 +64,9 @@ def test_prints_every_form():
         assert f"export {var}=" in out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("form", ["static", "c10d"])
-def test_printed_commands_run_on_two_loopback_nodes(form):
+def loopback(form):
+    """The printed commands of `form` run as two nodes of one process each on this machine: (their exit codes and
+    outputs), or None if they hung."""
     out = sh("--nodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
              launch.free_port(), "--script", "02_broadcast.py", "--", "--src", "1", "--device", "cpu").stdout
     lines = [ln for ln in out.splitlines() if ln.startswith("torchrun")]
@@ -81,7 +81,25 @@ def test_printed_commands_run_on_two_loopback_nodes(form):
         except subprocess.TimeoutExpired:
             for q in procs:
                 launch.kill_tree(q)
-            pytest.fail("the printed commands hung")
-    assert all(p.returncode == 0 for p in procs), outs
+            return None
+    return [p.returncode for p in procs], outs
+
+
+@pytest.fixture(scope="module")
+def nodes(request):
+    """Both forms' two nodes at once (each form's own port): a job of two nodes mostly starts up and waits."""
+    forms = ["static", "c10d"]
+    with launch.ahead(request, {f"test_printed_commands_run_on_two_loopback_nodes[{form}]": lambda form=form:
+                                loopback(form) for form in forms}) as futures:
+        yield futures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["static", "c10d"])
+def test_printed_commands_run_on_two_loopback_nodes(form, nodes, request):
+    ran = nodes[request.node.name].result()
+    assert ran is not None, "the printed commands hung"
+    codes, outs = ran
+    assert codes == [0, 0], outs
     both = "\n".join(outs)
     assert "OK dist.broadcast" in both and "[rank 0/2]" in both and "[rank 1/2]" in both, both

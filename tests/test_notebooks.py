@@ -5,6 +5,7 @@ process, cluster file or private profile outlives the kernel by more than 2 s, w
 
 import ast
 import glob
+import importlib.util
 import os
 import re
 import signal
@@ -19,8 +20,8 @@ import pytest
 import launch
 from conftest import REPO
 
-pytest.importorskip("ipyparallel")
-pytest.importorskip("nbclient")
+pytestmark = pytest.mark.skipif(not all(map(importlib.util.find_spec, ("ipyparallel", "nbclient"))),
+                                reason="pip install -r requirements-dev.txt")  # found, not imported: collection
 NOTEBOOKS = sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb"))
 SOLUTIONS = REPO / "tests" / "exercise_solutions"
 GONE_S = 2  # the bound: nothing of a notebook's ranks 2 s after its kernel is gone
@@ -151,52 +152,6 @@ def test_a_broken_group_is_told_in_one_line_naming_who_waited_where(monkeypatch)
     assert ranks._explain(error.CompositeError("", [disagrees])) is None  # the rank's own error speaks
 
 
-# --- top to bottom, headless ---
-EXECUTE = """
-import sys, time
-sys.path.insert(0, "notebooks")
-sys.path.insert(0, "tests")
-import run
-from test_notebooks import none_left
-nb = run.execute(run.HERE / sys.argv[1], int(sys.argv[2]))
-t0 = time.time()  # nbclient has shut the kernel down, in order (a shutdown request, as a closed notebook's)
-left = none_left(sys.argv[3], within_s=10)
-print(f"rank processes left {time.time() - t0:.2f} s after the kernel's shutdown: {left}")
-# %%px shows each rank's output as display data ("[stdout:r] ..."), the kernel's own as a stream
-outputs = [o for c in nb.cells for o in c.get("outputs", [])]
-print("\\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in outputs))
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_top_to_bottom_on_2_and_3_ranks(name, tmp_path):
-    """Every cell on every rank; the notebooks assert their own claims (bit-equality, identical replicas) in the
-    ranks, so a claim that does not hold fails its cell, and with it this test. The check of the untouched "Your
-    turn" stub says it is not written yet. After the kernel's shutdown its ranks are gone within 2 s, and no
-    cluster file or profile is left. The two runs go side by side, each kernel with its own IPython directory: much
-    of a run is waiting on the engines' start."""
-    def execute(ranks):
-        env = kernel_env(tmp_path / str(ranks))
-        return launch.run([sys.executable, "-c", EXECUTE, name, str(ranks), env["IPYTHONDIR"]], timeout=600, env=env)
-
-    with ThreadPoolExecutor(2) as pool:
-        runs = dict(zip([2, 3], pool.map(execute, [2, 3])))
-    for ranks, res in runs.items():
-        root = tmp_path / str(ranks)
-        left = reap(root / "ipython")
-        assert not res.timed_out and res.returncode == 0, f"{ranks} ranks\n{res.output[-6000:]}"
-        assert f"{ranks} ranks joined one group" in res.output, res.output[-6000:]
-        assert "%px:" not in res.output, "a progress bar in the saved outputs"  # tqdm's "%px:  50%|#####  | 1/2"
-        assert all(f"[stdout:{r}]" in res.output for r in range(ranks)), "every rank's output appears under its cell"
-        assert "not written yet" in res.output, res.output[-3000:]
-        gone = re.search(r"rank processes left ([\d.]+) s after the kernel's shutdown: \[\]", res.output)
-        assert gone and float(gone.group(1)) <= GONE_S, f"{ranks} ranks: {res.output[:3000]}"
-        print(f"{name} on {ranks} ranks: {gone.group(0)}")
-        assert not left, f"rank processes outlived the notebook on {ranks} ranks: {left}"
-        assert not files_left(root / "ipython", root / "tmp"), files_left(root / "ipython", root / "tmp")
-
-
 # --- a reader's sitting: their code, their mistakes, Stop, ranks.reset(), a killed kernel ---
 WRONG = {  # a planted mistake in each notebook's exercise, and the words the check must say about it
     "01_primitives.ipynb": ("%%px\nimport torch.distributed as dist\n\n\ndef ring_all_reduce(tensor):\n"
@@ -233,6 +188,7 @@ class Sitting:
 
 
 @pytest.mark.slow  # 40-90 s: three groups started, a collective timed out, nine exercise checks
+@pytest.mark.usefixtures("executed")  # the notebooks' headless runs go on meanwhile (below)
 def test_a_readers_sitting_costs_one_cell_per_mistake_and_a_killed_kernel_leaves_nothing(tmp_path):
     """In one kernel: each notebook's "Your turn" check says "not written yet" for its stub, passes a solution from
     tests/exercise_solutions and names a planted mistake; a cell failing on rank 1 shows rank 1's error; Stop frees
@@ -343,3 +299,68 @@ def test_a_readers_sitting_costs_one_cell_per_mistake_and_a_killed_kernel_leaves
     print(f"rank processes gone {gone_s:.2f} s after the kernel's SIGKILL")
     assert not left and gone_s <= GONE_S, f"processes outlived the killed kernel by {gone_s:.1f} s: {left}"
     assert not files, f"left behind: {files}"
+
+
+# --- top to bottom, headless ---
+EXECUTE = """
+import sys, time
+sys.path.insert(0, "notebooks")
+sys.path.insert(0, "tests")
+import run
+from test_notebooks import none_left
+nb = run.execute(run.HERE / sys.argv[1], int(sys.argv[2]))
+t0 = time.time()  # nbclient has shut the kernel down, in order (a shutdown request, as a closed notebook's)
+left = none_left(sys.argv[3], within_s=10)
+print(f"rank processes left {time.time() - t0:.2f} s after the kernel's shutdown: {left}")
+# %%px shows each rank's output as display data ("[stdout:r] ..."), the kernel's own as a stream
+outputs = [o for c in nb.cells for o in c.get("outputs", [])]
+print("\\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in outputs))
+"""
+
+
+def both_ranks(name, root):
+    """The notebook run headless on 2 and on 3 ranks, side by side, each kernel with its own IPython directory
+    (much of a run is waiting on the engines' start): {ranks: (the run, its rank processes left after the wait)}."""
+    def execute(ranks):
+        env = kernel_env(root / str(ranks))
+        res = launch.run([sys.executable, "-c", EXECUTE, name, str(ranks), env["IPYTHONDIR"]], timeout=600, env=env)
+        return res, reap(root / str(ranks) / "ipython")
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip([2, 3], pool.map(execute, [2, 3])))
+
+
+@pytest.fixture(scope="module")
+def executed(request, tmp_path_factory):
+    """{test name: (both runs of its notebook, their folder)}: one notebook at a time, started by the sitting (the
+    first test to ask), which mostly waits on timeouts, interrupts and its ranks' restarts while they run."""
+    def job(name):
+        def go():
+            root = tmp_path_factory.mktemp("nb")
+            return both_ranks(name, root), root
+        return go
+    with launch.ahead(request, {f"test_notebook_runs_top_to_bottom_on_2_and_3_ranks[{name}]": job(name)
+                                for name in NOTEBOOKS}, workers=1) as futures:
+        yield futures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs_top_to_bottom_on_2_and_3_ranks(name, executed, request):
+    """Every cell on every rank; the notebooks assert their own claims (bit-equality, identical replicas) in the
+    ranks, so a claim that does not hold fails its cell, and with it this test. The check of the untouched "Your
+    turn" stub says it is not written yet. After the kernel's shutdown its ranks are gone within 2 s, and no
+    cluster file or profile is left."""
+    runs, tmp_path = executed[request.node.name].result()
+    for ranks, (res, left) in runs.items():
+        root = tmp_path / str(ranks)
+        assert not res.timed_out and res.returncode == 0, f"{ranks} ranks\n{res.output[-6000:]}"
+        assert f"{ranks} ranks joined one group" in res.output, res.output[-6000:]
+        assert "%px:" not in res.output, "a progress bar in the saved outputs"  # tqdm's "%px:  50%|#####  | 1/2"
+        assert all(f"[stdout:{r}]" in res.output for r in range(ranks)), "every rank's output appears under its cell"
+        assert "not written yet" in res.output, res.output[-3000:]
+        gone = re.search(r"rank processes left ([\d.]+) s after the kernel's shutdown: \[\]", res.output)
+        assert gone and float(gone.group(1)) <= GONE_S, f"{ranks} ranks: {res.output[:3000]}"
+        print(f"{name} on {ranks} ranks: {gone.group(0)}")
+        assert not left, f"rank processes outlived the notebook on {ranks} ranks: {left}"
+        assert not files_left(root / "ipython", root / "tmp"), files_left(root / "ipython", root / "tmp")
