@@ -198,7 +198,7 @@ def chosen(request):
 
 
 FORKED = """
-import importlib, os, runpy, socket, sys, traceback
+import importlib, json, os, runpy, socket, sys
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 
@@ -209,47 +209,50 @@ def rank(script, argv):  # a worker: the script as `python script argv` runs it,
     except SystemExit as e:
         if e.code not in (None, 0):
             raise
+    except Exception:  # as Python ends a script: the traceback through sys.excepthook (c10d's: "[rank1]: ..."), 1
+        sys.excepthook(*sys.exc_info())
+        raise SystemExit(1) from None
 
 
-nprocs, preload, script, *argv = sys.argv[1:]
+preload, script, jobs = sys.argv[1:]
 for name in filter(None, preload.split(",")):
     importlib.import_module(name)
-for n in map(int, nprocs.split(",")):
+for n, argv in json.loads(jobs):
     print(f"[forked] {n} ranks", flush=True)
     pid = os.fork()  # each job from this process as it is now (imported, nothing else run), one after the other
     if pid == 0:
+        code = 1
         try:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             elastic_launch(LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(port),
                                         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
-                                        monitor_interval=0.1, start_method="fork"),
-                           rank)(script, [a.replace("{nproc}", str(n)) for a in argv])
+                                        monitor_interval=0.1, start_method="fork"), rank)(script, argv)
             code = 0
-        except BaseException:
-            traceback.print_exc()  # the agent's ChildFailedError: which rank failed, as torchrun says it
-            code = 1
-        sys.stdout.flush()
-        os._exit(code)
+        except Exception as e:  # the agent's ChildFailedError: which rank failed, and how, as torchrun says it
+            print(e, flush=True)
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
     print(f"[forked] {n} ranks exit {os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}", flush=True)
 os._exit(0)  # not a second of tearing down what was imported
 """
 
 
-def torchrun_forked(script, nprocs, args=(), preload=("torch",), timeout=180, device="cpu", **env):
+def torchrun_forked(script, jobs, preload=("torch",), timeout=180, device="cpu", **env):
     """``script`` under torchrun's own agent (torch.distributed's elastic_launch: torchrun's rendezvous and its
-    workers' environment) on each number of ranks in ``nprocs`` in turn, every rank forked from one process that
+    workers' environment), one job after the other, ``jobs`` {nproc: args}, every rank forked from one process that
     imported ``preload`` once: for workers whose ranks would spend most of their time importing (torch 2 s a rank,
-    transformers and lightning 8 s). "{nproc}" in ``args`` is the job's number of ranks. Returns {nproc: Result};
-    never hangs past ``timeout`` in all."""
+    transformers and lightning 8 s). Returns {nproc: Result}; never hangs past ``timeout`` in all."""
+    import json
     t0 = time.time()
-    cmd = [sys.executable, "-c", FORKED, ",".join(map(str, nprocs)), ",".join(preload), str(REPO / script),
-           *with_device(args, device)]
+    cmd = [sys.executable, "-c", FORKED, ",".join(preload), str(REPO / script),
+           json.dumps([(n, with_device(args, device)) for n, args in jobs.items()])]
     res = run(cmd, timeout, env=make_env(**env))
-    took = f"\n[launch] {script} x{'/'.join(map(str, nprocs))} (forked) took {time.time() - t0:.1f}s\n"
+    took = f"\n[launch] {script} x{'/'.join(map(str, jobs))} (forked) took {time.time() - t0:.1f}s\n"
     results = {}
-    for n in nprocs:
+    for n in jobs:
         job = re.search(rf"^\[forked\] {n} ranks\n(.*?)^\[forked\] {n} ranks exit (-?\d+)$", res.output, re.S | re.M)
         results[n] = Result(int(job.group(2)), job.group(1) + took, res.timed_out) if job else \
             Result(res.returncode or -1, res.output + took, res.timed_out)  # it never ended: all that was said

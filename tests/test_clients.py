@@ -19,10 +19,11 @@ def jobs(request, tmp_path_factory):
     transformers and lightning (8 s a rank otherwise, most of each job)."""
     ranks = [n for n in (2, 3) if f"test_hugging_face_lightning_and_fabric_run_manual_ddp_bit_for_bit[{n}]" in
              launch.chosen(request)]
-    out = tmp_path_factory.mktemp("clients") / "{nproc}"
-    return launch.torchrun_forked("tests/workers/clients_worker.py", ranks, ["hf", "lightning", "fabric", out],
-                                  preload=("torch", "transformers.trainer", "transformers.models.gpt2.modeling_gpt2",
-                                           "lightning.pytorch", "lightning.fabric"), timeout=480, device=None)
+    out = tmp_path_factory.mktemp("clients")
+    return launch.torchrun_forked(
+        "tests/workers/clients_worker.py", {n: ["hf", "lightning", "fabric", out / str(n)] for n in ranks},
+        preload=("torch", "transformers.trainer", "transformers.models.gpt2.modeling_gpt2", "lightning.pytorch",
+                 "lightning.fabric"), timeout=480, device=None)
 
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks: ~3 s more

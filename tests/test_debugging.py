@@ -90,20 +90,20 @@ def test_every_scenario_shows_its_symptom_its_diagnosis_and_its_fix_on_2_and_3_r
 
 @pytest.fixture(scope="module")
 def launched(request, tmp_path_factory):
-    """{test name: what its launches returned}, launched ahead: the longest and most waiting first."""
+    """{test name: what its launches returned}, launched ahead: the hangs first, the one-process runs beside them."""
     jobs = {"test_stacks_and_the_flight_recorder_find_each_hang_of_a_readers_ddp_job_on_2_and_3_ranks": hangs,
+            "test_a_scenario_needs_two_ranks_a_known_name_and_broken_one_scenario": usage_errors,
+            "test_find_the_bug_fails_as_shipped_and_passes_once_fixed": find_the_bug,
             "test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_workers": spawned_jobs,
             "test_check_replicas_finds_a_per_rank_seed_and_a_tensor_attribute_that_ddp_never_broadcasts": seeded,
-            "test_check_replicas_names_the_tensor_the_ranks_and_the_difference_on_every_rank": replicas_cases,
-            "test_a_scenario_needs_two_ranks_a_known_name_and_broken_one_scenario": usage_errors,
-            "test_find_the_bug_fails_as_shipped_and_passes_once_fixed": find_the_bug}
+            "test_check_replicas_names_the_tensor_the_ranks_and_the_difference_on_every_rank": replicas_cases}
     with launch.ahead(request, {name: lambda f=f: f(tmp_path_factory.mktemp("job")) for name, f in jobs.items()}) \
             as futures:
         yield futures
 
 
 def replicas_cases(_):  # the ranks of both jobs forked from one process that imported torch
-    return launch.torchrun_forked("tests/workers/check_replicas_worker.py", [2, 3], timeout=300, device=None)
+    return launch.torchrun_forked("tests/workers/check_replicas_worker.py", {2: [], 3: []}, timeout=300, device=None)
 
 
 def test_check_replicas_names_the_tensor_the_ranks_and_the_difference_on_every_rank(launched, request):
@@ -273,11 +273,11 @@ def test_stacks_and_the_flight_recorder_find_each_hang_of_a_readers_ddp_job_on_2
     assert "rank 2" not in stale, stale
 
 
-def seeded(_):
-    runs = [(2, ["--bug", "seed"]), (3, ["--bug", "seed", "--ddp"])]
-    with ThreadPoolExecutor(len(runs)) as pool:
-        return list(pool.map(lambda run: launch.torchrun(WORKER, run[0], [*run[1], "--check", "--epochs", "1"],
-                                                         timeout=300, device=None, PYTHONPATH=launch.REPO), runs))
+def seeded(_):  # the ranks of both jobs forked from one process that imported torch
+    runs = launch.torchrun_forked(WORKER, {2: ["--bug", "seed", "--check", "--epochs", "1"],
+                                           3: ["--bug", "seed", "--ddp", "--check", "--epochs", "1"]},
+                                  timeout=300, device=None, PYTHONPATH=launch.REPO)
+    return runs[2], runs[3]
 
 
 @pytest.mark.slow
@@ -287,7 +287,7 @@ def test_check_replicas_finds_a_per_rank_seed_and_a_tensor_attribute_that_ddp_ne
     verdict, optimizer state included: check_replicas_worker)."""
     hand, ddp = (res.output for res in launched[request.node.name].result())
     assert "ReplicasDiffer: replicas differ in 5 places (parameters 4, tensor attributes 1)" in hand, hand[-3000:]
-    assert "]:   fc1.weight (float32, (32, 16)) on rank(s) [1] differs" in hand, hand[-3000:]  # torchrun: [rank1]:
+    assert "]:   fc1.weight (float32, (32, 16)) on rank(s) [1] differs" in hand, hand[-3000:]  # c10d's [rank1]:
     assert "]:   proj (float32, (16, 16)) on rank(s) [1] differs" in hand, hand[-3000:]
     message = re.search(r"ReplicasDiffer: (replicas differ: .*)", ddp)
     assert message and message.group(1).startswith("replicas differ: module.proj (float32, (16, 16)) on rank(s) "

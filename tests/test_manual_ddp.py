@@ -29,7 +29,7 @@ def test_drop_in_for_ddp_and_bit_identical_on_4_3_and_2_ranks():
     otherwise: launches are what the suite pays for): the drop-in checks on 4 ranks, with subgroups inside, and
     exact_worker's step-by-step torch.equal against DDP on all 4 ranks, on a group of 3 and on pairs (the ring's order
     of summation differs at each size)."""
-    res = launch.torchrun_forked("tests/workers/dropin_worker.py", [4], preload=(
+    res = launch.torchrun_forked("tests/workers/dropin_worker.py", {4: []}, preload=(
         "torch", "transformers.models.gpt2.modeling_gpt2"), timeout=300, device=None)[4]
     assert not res.timed_out and res.returncode == 0, res.output
     assert res.ok_line() and "bit-identical at every step on 4, a group of 3 and 2 ranks" in res.ok_line(), res.output

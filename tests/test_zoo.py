@@ -6,6 +6,6 @@ import launch
 
 
 def test_model_zoo_bit_for_bit_against_pytorch_on_3_and_2_ranks():
-    res = launch.torchrun_forked("tests/workers/zoo_worker.py", [3], timeout=180, device=None)[3]  # one torch import
+    res = launch.torchrun_forked("tests/workers/zoo_worker.py", {3: []}, timeout=180, device=None)[3]  # one import
     assert not res.timed_out and res.returncode == 0, res.output
     assert res.ok_line() and "on 3 ranks and on 2" in res.ok_line(), res.output
