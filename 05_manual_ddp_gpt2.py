@@ -372,7 +372,7 @@ def main(args):
     # MFU: 6 FLOPs a weight per token (forward and backward) plus attention's, against the GPU's peak (as nanoGPT).
     flops = 6 * n_params + 12 * model.config.num_hidden_layers * model.config.hidden_size * args.seq_len
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
-    peak = next((tflops * 1e12 for name, tflops in PEAK_TFLOPS.items() if name in gpu), None)
+    peak = (args.peak_tflops or next((tf for name, tf in PEAK_TFLOPS.items() if name in gpu), 0)) * 1e12
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * WORLD
     losses, first_loss, t_log = [], None, time.perf_counter()
     model.train()  # from_pretrained returns a model in eval mode: dropout off
@@ -492,6 +492,7 @@ def parse_args(argv=None):
     g.add_argument("--log-every", type=count, default=25, help="steps between loss lines")
     g.add_argument("--eval-every", type=at_least(0), default=50, help="steps between val loss + checkpoint (0: none)")
     g.add_argument("--sample-tokens", type=at_least(0), default=120, help="tokens generated at the end (0: none)")
+    g.add_argument("--peak-tflops", type=at_least(1e-9, float), help="GPU's bf16 peak, for MFU (H100/H200/A100 known)")
     g.add_argument("--out", default=None, help="checkpoint dir: resume from it, save to it, final save_pretrained")
     g.add_argument("--seed", type=at_least(0, below=2**32), default=0, help="model init (same on all ranks), data")
     return p.parse_args(argv)

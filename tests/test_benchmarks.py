@@ -178,6 +178,7 @@ def test_gpu_check_pipeline_at_a_tiny_shape_on_the_cpu(launched, request):
     report = json.loads((out / "gpu_check.json").read_text())
     assert set(report) == {"gpu", "torch", "peak_tflops", "rows"}, report
     assert (report["gpu"], report["peak_tflops"]) == ("cpu", None) and "MFU blank" in res.output
+    assert "05's own MFU agrees in 4 of 4 runs" in res.ok_line(), res.output  # given a nominal peak, on the CPU too
     rows = report["rows"]
     assert [(r["name"], r["impl"], r["compile"]) for r in rows] == [
         ("05 manual eager", "manual", False), ("05 torch eager", "torch", False),

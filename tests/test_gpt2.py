@@ -152,15 +152,26 @@ def tiny_models(tmp_path_factory):
 
 @pytest.mark.slow
 def test_pretrained_llama_on_local_files(tiny_models, tmp_path):
-    """Not only GPT-2: a Llama (rotary positions, grouped-query attention) under PyTorch's DDP, in bf16 autocast.
-    (A pretrained GPT-2 under DDPCore: the crash story above.)"""
+    """Not only GPT-2: a Llama (rotary positions, grouped-query attention) under PyTorch's DDP, in bf16 autocast,
+    with MFU in each step line from the peak given (--peak-tflops: on the CPU too). (A pretrained GPT-2 under
+    DDPCore: the crash story above.)"""
     args = ["--model", tiny_models / "llama", "--dataset", tiny_models / "text", "--seq-len", "32", "--batch-size",
             "4", "--max-steps", "4", "--log-every", "2", "--sample-tokens", "8", "--impl", "torch", "--grad-accum",
-            "2", "--precision", "bf16", "--out", tmp_path / "out"]
+            "2", "--precision", "bf16", "--peak-tflops", "1e-3", "--out", tmp_path / "out"]
     res = launch.torchrun(SCRIPT, 2, args, timeout=180)
     assert res.returncode == 0 and res.ok_line(), res.output
     w, start = weights(tmp_path / "out"), weights(tiny_models / "llama")
     assert w.keys() == start.keys() and any(not torch.equal(w[k], v) for k, v in start.items()), "nothing trained"
+    # MFU: the FLOPs of a token (6N + 12 L d T, N as parameters() counts it, tied once: the GPU check's count) times
+    # tokens/s per rank, over the peak
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    flops = 6 * sum(p.numel() for p in model.parameters()) + 12 * 2 * 32 * 32
+    steps = re.findall(r"^step .*\| +([\d,]+) tok/s \| MFU ([\d.]+)%$", res.output, re.M)
+    assert len(steps) == 3, res.output  # steps 1, 2 and 4
+    for tokens, mfu in steps:
+        expected = 100 * int(tokens.replace(",", "")) * flops / 2 / 1e9
+        assert abs(float(mfu) - expected) <= 0.05 + 1e-3 * expected, (tokens, mfu, expected)
 
 
 def check_one_line_errors(tmp_path, cases):
