@@ -372,7 +372,7 @@ def main(args):
     # MFU: 6 FLOPs a weight per token (forward and backward) plus attention's, against the GPU's peak (as nanoGPT).
     flops = 6 * n_params + 12 * model.config.num_hidden_layers * model.config.hidden_size * args.seq_len
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
-    peak = (args.peak_tflops or next((tf for name, tf in PEAK_TFLOPS.items() if name in gpu), 0)) * 1e12
+    peak = args.peak_tflops or next((tflops for name, tflops in PEAK_TFLOPS.items() if name in gpu), None)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * WORLD
     losses, first_loss, t_log = [], None, time.perf_counter()
     model.train()  # from_pretrained returns a model in eval mode: dropout off
@@ -401,7 +401,7 @@ def main(args):
                 raise UsageError(f"training diverged: loss {last_loss} at step {step + 1} (try a smaller --lr)")
             first_loss = last_loss if first_loss is None else first_loss
             dt = (time.perf_counter() - t_log) / len(losses) * args.grad_accum
-            mfu = f" | MFU {100 * tokens_per_step / dt * flops / WORLD / peak:.1f}%" if peak else ""
+            mfu = f" | MFU {100 * tokens_per_step / dt * flops / WORLD / (peak * 1e12):.1f}%" if peak else ""
             print0(f"step {step + 1:>5}/{args.max_steps} | loss {last_loss:7.4f} | lr {sched.get_last_lr()[0]:.2e} "
                    f"| {dt * 1e3:7.1f} ms/step | {tokens_per_step / dt:9,.0f} tok/s{mfu}")
             losses, t_log = [], time.perf_counter()
