@@ -2,7 +2,7 @@
 
 What it teaches, in reading order: average_gradients, the tutorial's version, and why it is slow; then DDPCore, what
 torch.nn.parallel.DistributedDataParallel does, bit for bit, in the order a step runs; then a train.py as nanoGPT's
-for any Hugging Face causal LM (--impl naive or torch: with those instead): a held-out loss, MFU on a GPU, and
+for any Hugging Face causal LM (--impl naive or torch trains with those): a held-out loss, MFU on a GPU, and
 checkpoints that resume bit for bit. ddp_dropin.py builds ManualDDP, the drop-in for PyTorch's DDP, on DDPCore.
 
   CPU:     torchrun --nproc_per_node=4 05_manual_ddp_gpt2.py    (a 0.84M-parameter GPT-2 on Python's own sources)
@@ -29,11 +29,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 # --- settings beyond the flags ---
-ADAMW_BETAS, WEIGHT_DECAY, CLIP_NORM = (0.9, 0.95), 0.1, 1.0  # GPT-2's, as nanoGPT's (PyTorch's betas: 0.9, 0.999)
+ADAMW_BETAS, WEIGHT_DECAY, CLIP_NORM = (0.9, 0.95), 0.1, 1.0  # GPT-3's, as nanoGPT's (PyTorch's betas: 0.9, 0.999)
 LR_FLOOR = 0.1  # the cosine schedule ends at this fraction of --lr
-SEED_STRIDE = 7919  # dropout seed = seed + stride * step + rank: a prime, so no two (step, rank) pairs share one
+SEED_STRIDE = 7919  # dropout seed = seed + stride * step + rank: one per (step, rank) below 7919 ranks
 VAL_PART, VAL_BATCHES = 10, 8  # the corpus's last 1/10 is held out; each rank evaluates <= 8 batches of it
-PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312}  # dense bf16, by the GPU's name, for MFU
+PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312}  # dense bf16 of SXM parts, for MFU (others: --peak-tflops)
 
 
 # --- the idea, naive: what a tutorial writes ---
@@ -56,7 +56,7 @@ def average_gradients(model, world):
 class DDPCore(nn.Module):
     """DistributedDataParallel's idea: after loss.backward(), every .grad holds the mean of all ranks' gradients, and
     the all-reduces that made it ran while backward was still computing the rest. Every parameter that requires a
-    gradient must get one in each synced backward, on ranks that run as many steps (ddp_dropin.ManualDDP: any)."""
+    gradient must get one in each synced backward, on ranks that run as many steps (ddp_dropin.ManualDDP lifts both)."""
 
     def __init__(self, module, process_group=None, bucket_cap_mb=None, broadcast_buffers=True):
         super().__init__()
@@ -67,16 +67,16 @@ class DDPCore(nn.Module):
         self.require_forward_param_sync = True  # broadcast the buffers before the next forward
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.device = next(module.parameters()).device  # where the buckets live
+        self.device = next(module.parameters()).device  # for the rebuild's broadcast (NCCL: a CUDA tensor)
         # Replicas must start identical: the same mean gradient applied to different weights would keep them
         # different forever. So rank 0's parameters win (frozen ones too: they shape the output), and its buffers
         # (BatchNorm's running statistics) if buffers are synced.
         buffers = list(module.buffers()) if broadcast_buffers else []
         broadcast_coalesced(list(module.parameters()) + buffers, 0, self.process_group)
-        # Buckets, DDP's way: the first backward runs with ONE bucket (one per dtype) in parameter order, only a
-        # guess at the order gradients arrive in. That backward shows the real order, and the buckets are cut
-        # again in it, once, before the next forward (_maybe_rebuild), with DDP's sizes: 25 MiB, the first 1 MiB
-        # so that its all-reduce starts early in backward ("experiments showed 1MB is a reasonable value": DDP).
+        # Buckets, DDP's way: the first backward runs with ONE bucket per dtype, the last parameters' first (gradients
+        # arrive roughly back to front), a guess. That backward shows the real order, and the buckets are cut again
+        # in it, once, before the next forward (_maybe_rebuild), with DDP's sizes: 25 MiB, the first 1 MiB so that
+        # its all-reduce starts early in backward ("experiments showed 1MB is a reasonable value": DDP).
         self._caps = [1 << 20, 25 << 20] if bucket_cap_mb is None else [int(bucket_cap_mb * (1 << 20))]
         self._set_buckets(sorted(bucket_layout(self.params, range(len(self.params)), [math.inf]), key=min,
                                  reverse=True))
@@ -127,7 +127,7 @@ class DDPCore(nn.Module):
         if not self._rebuilt:
             self._order.append(i)  # the order in which backward really produces gradients
         bucket, slot = self._where[i]
-        if p.grad.data_ptr() != bucket.views[slot].data_ptr():  # backward replaced .grad instead of adding into it
+        if p.grad.data_ptr() != bucket.views[slot].data_ptr():  # a new .grad (create_graph=True, or it was None)
             bucket.views[slot].copy_(p.grad)
             p.grad = bucket.views[slot]
         bucket.pending -= 1
@@ -138,10 +138,10 @@ class DDPCore(nn.Module):
             self._next += 1
 
     def _launch(self, b):
-        # Divide BEFORE the sum, as DDP does: N fp16/bf16 gradients added up could overflow where their mean would
-        # not. A multiply by 1/N, as DDP's, for the same bits; on data just written (still in cache).
+        # Divide BEFORE the sum, as DDP does: N fp16 gradients added up could overflow where their mean would not.
+        # A multiply by 1/N, as DDP's, for the same bits.
         b.flat.mul_(1 / self.world)
-        b.work = dist.all_reduce(b.flat, group=self.process_group, async_op=True)  # returns at once
+        b.work = dist.all_reduce(b.flat, group=self.process_group, async_op=True)  # returns at once: backward goes on
 
     def _finish(self):
         """End of backward: wait for every bucket's all-reduce. Then each .grad (a view of a bucket) is the mean."""
@@ -151,7 +151,7 @@ class DDPCore(nn.Module):
             raise RuntimeError(f"DDPCore: a parameter got no gradient in this backward (one of {names[:5]}); "
                                "ddp_dropin.ManualDDP(model, find_unused_parameters=True) takes such models")
         for b in self.buckets:
-            b.work.wait()
+            b.work.wait()  # NCCL: the current CUDA stream waits, not the CPU
             b.pending = len(b.params)  # counted down again by the next backward
         self._next = 0
 
@@ -196,7 +196,7 @@ class Bucket:
         offsets = itertools.accumulate([p.numel() for p in params], initial=0)
         self.views = [self.flat[o:o + p.numel()].view_as(p) for o, p in zip(offsets, params)]
         self.pending = len(params)  # gradients this backward has still to produce
-        self.work = None  # the last all-reduce, kept till the next: freed by gloo's thread at exit, it aborts
+        self.work = None  # the last all-reduce: kept after its wait (if gloo's thread freed it at exit: SIGABRT)
 
 
 def bucket_layout(params, order, caps):
@@ -216,10 +216,10 @@ def bucket_layout(params, order, caps):
 
 
 def broadcast_coalesced(tensors, src, group):
-    """Broadcast from the group's rank src, packed as buckets are: few messages of at most 250 MiB (as DDP)."""
+    """Broadcast from the group's rank src, packed as buckets are: few messages of about 250 MiB (as DDP)."""
     with torch.no_grad():
         for indices in bucket_layout(tensors, range(len(tensors)), [250 << 20]):
-            batch = [tensors[i].detach() for i in indices]
+            batch = [tensors[i] for i in indices]
             flat = torch.cat([t.reshape(-1) for t in batch])
             dist.broadcast(flat, src=dist.get_global_rank(group, src), group=group)
             for t, part in zip(batch, flat.split([t.numel() for t in batch])):
@@ -313,7 +313,7 @@ def next_token_loss(net, batch, args, loss=cross_entropy):
 
 # --- training ---
 def wrap(model, impl, device, bucket_cap_mb=None):
-    """The model as each --impl trains it: DDPCore, PyTorch's DDP (same bucket size), or the naive tutorial's."""
+    """The model as each --impl trains it: DDPCore, PyTorch's DDP (the same buckets), or the naive tutorial's."""
     if impl == "manual":
         return DDPCore(model, bucket_cap_mb=bucket_cap_mb)
     if impl == "torch":
@@ -329,7 +329,7 @@ def main(args):
     if args.precision == "auto":
         args.precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     if device.type == "cuda":  # TF32 matmuls: float32's range, 10-bit mantissa, tensor-core speed
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = True
     print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} impl={args.impl} "
            f"precision={args.precision} torch={torch.__version__}")
     state = load_newest(args.out) if args.out else None
@@ -369,7 +369,7 @@ def main(args):
         sched.load_state_dict(state["scheduler"])
         print0(f"resumed from {args.out}/checkpoint-{start}.pt at step {start}")
     batches = itertools.islice(batches_from(data, args), start * args.grad_accum, None)  # resumed: skip those done
-    # MFU: 6 FLOPs a weight per token (forward and backward) plus attention's, against the GPU's peak (as nanoGPT).
+    # MFU: 6 FLOPs a weight per token (forward, backward) plus attention's, over the GPU's peak (nanoGPT's, with wpe).
     flops = 6 * n_params + 12 * model.config.num_hidden_layers * model.config.hidden_size * args.seq_len
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
     peak = args.peak_tflops or next((tflops for name, tflops in PEAK_TFLOPS.items() if name in gpu), None)
@@ -402,15 +402,16 @@ def main(args):
             first_loss = last_loss if first_loss is None else first_loss
             dt = (time.perf_counter() - t_log) / len(losses) * args.grad_accum
             mfu = f" | MFU {100 * tokens_per_step / dt * flops / WORLD / (peak * 1e12):.1f}%" if peak else ""
-            print0(f"step {step + 1:>5}/{args.max_steps} | loss {last_loss:7.4f} | lr {sched.get_last_lr()[0]:.2e} "
+            print0(f"step {step + 1:>5}/{args.max_steps} | loss {last_loss:7.4f} | lr {args.lr * lr_factor(step):.2e} "
                    f"| {dt * 1e3:7.1f} ms/step | {tokens_per_step / dt:9,.0f} tok/s{mfu}")
             losses, t_log = [], time.perf_counter()
-        # Every --eval-every steps (nanoGPT's eval_interval), and at the end: the held-out loss and a checkpoint.
+        # Every --eval-every steps (nanoGPT's eval_interval) and at the end: the held-out loss (unless 0), a checkpoint.
         if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps:
             paused = time.perf_counter()
             if args.eval_every:  # each rank its share, as many batches as the others: the mean of means is the mean
-                with torch.no_grad():  # the bare model in eval mode (no dropout): no gradients, nothing to sync
-                    val_loss = sum(next_token_loss(model.eval(), b.to(device), args, loss)
+                model.eval()  # the bare model, no dropout: no gradients, nothing to sync
+                with torch.no_grad():  # this rank's batch losses over every rank's batch count: a part of the mean
+                    val_loss = sum(next_token_loss(model, b.to(device), args, loss)
                                    for b in val[RANK::WORLD].split(args.batch_size)) / (n_val // args.batch_size)
                 dist.all_reduce(val_loss)  # each rank's part of the mean over all batches, summed
                 model.train()
@@ -458,10 +459,10 @@ def load_newest(out):
             except Exception as e:  # a disk fault: skipped, and written over when its step is saved again
                 print0(f"warning: {out}/checkpoint-{step}.pt does not load ({type(e).__name__}): skipped")
     dist.broadcast_object_list(found, src=0)  # several nodes: rank 0's --out on a disk they all see
-    return found[0] and torch.load(found[0], map_location="cpu", weights_only=True, mmap=True)  # mapped: read lazily
+    return torch.load(found[0], map_location="cpu", weights_only=True, mmap=True) if found[0] else None  # mmap: lazy
 
 
-def checkpoints(out):  # the steps saved in --out as checkpoint-STEP.pt, oldest first
+def checkpoints(out):  # the steps saved in --out, oldest first (f[11:-3]: the STEP of checkpoint-STEP.pt)
     return sorted(int(f[11:-3]) for f in glob.glob("checkpoint-*.pt", root_dir=out) if f[11:-3].isdigit())
 
 
@@ -490,7 +491,7 @@ def parse_args(argv=None):
     g.add_argument("--lr", type=at_least(1e-12, float), default=2e-3, help="peak learning rate")
     g.add_argument("--warmup-steps", type=at_least(0), default=30, help="linear warm-up steps before cosine decay")
     g.add_argument("--log-every", type=count, default=25, help="steps between loss lines")
-    g.add_argument("--eval-every", type=at_least(0), default=50, help="steps between val loss + checkpoint (0: none)")
+    g.add_argument("--eval-every", type=at_least(0), default=50, help="steps between val loss + checkpoint (0: no val)")
     g.add_argument("--sample-tokens", type=at_least(0), default=120, help="tokens generated at the end (0: none)")
     g.add_argument("--peak-tflops", type=at_least(1e-9, float), help="GPU's bf16 peak, for MFU (H100/H200/A100 known)")
     g.add_argument("--out", default=None, help="checkpoint dir: resume from it, save to it, final save_pretrained")

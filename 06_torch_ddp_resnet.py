@@ -311,10 +311,10 @@ def load_newest(out):
             except Exception as e:  # a disk fault: skipped, and written over when its step is saved again
                 print0(f"warning: {out}/checkpoint-{step}.pt does not load ({type(e).__name__}): skipped")
     dist.broadcast_object_list(found, src=0)  # several nodes: rank 0's --out on a disk they all see
-    return found[0] and torch.load(found[0], map_location="cpu", weights_only=True, mmap=True)  # mapped: read lazily
+    return torch.load(found[0], map_location="cpu", weights_only=True, mmap=True) if found[0] else None  # mmap: lazy
 
 
-def checkpoints(out):  # the steps saved in --out as checkpoint-STEP.pt, oldest first
+def checkpoints(out):  # the steps saved in --out, oldest first (f[11:-3]: the STEP of checkpoint-STEP.pt)
     return sorted(int(f[11:-3]) for f in glob.glob("checkpoint-*.pt", root_dir=out) if f[11:-3].isdigit())
 
 
