@@ -244,3 +244,28 @@ def test_dead_peer_ends_the_survivor(tmp_path):
 def test_compile_keeps_losses_and_overlap():
     res = launch.run(launch.torchrun_cmd("tests/workers/compile_worker.py", 2), timeout=240)
     assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output
+
+
+def test_each_rank_reads_its_share_of_a_new_permutation_every_epoch(monkeypatch):
+    """batches_from on each of 2 ranks (the group faked: DistributedSampler asks it for the rank and the size), over
+    three epochs: the batches DistributedSampler's indices give after set_epoch(epoch), a new order each epoch, the
+    ranks' shares disjoint."""
+    from torch.utils.data import DistributedSampler
+    lesson = load_script(SCRIPT)
+    data = torch.arange(21 * 3).view(21, 3)  # 21 blocks: 10 a rank an epoch (drop_last), 3 batches of 3
+    args = lesson.parse_args(["--seed", "5", "--batch-size", "3"])
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    seen = {}
+    for rank in (0, 1):
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, rank=rank: rank)
+        batches = lesson.batches_from(data, args)
+        for epoch in range(3):
+            sampler = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=5, drop_last=True)
+            sampler.set_epoch(epoch)
+            idx = list(sampler)
+            got = [next(batches) for _ in range(3)]
+            assert all(torch.equal(g, data[idx[3 * k:3 * k + 3]]) for k, g in enumerate(got)), (rank, epoch)
+            seen[rank, epoch] = [row[0].item() // 3 for g in got for row in g]
+    for epoch in range(3):
+        assert not set(seen[0, epoch]) & set(seen[1, epoch]), seen
+    assert seen[0, 0] != seen[0, 1] != seen[0, 2], seen

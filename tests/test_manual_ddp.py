@@ -96,3 +96,53 @@ def test_a_dropped_ddpcore_is_freed_and_its_hooks_stay_quiet(monkeypatch):
         assert sent == [sum(p.numel() for p in model.parameters())] and len(again.buckets) == 1, sent
     finally:
         dist.destroy_process_group()
+
+
+def test_buckets_are_cut_as_pytorchs_and_leave_in_bucket_order(monkeypatch):
+    """bucket_layout against PyTorch's own bucketing (the reducer's compute_bucket_assignment_by_size) over random
+    sizes, dtypes, orders and caps, sizes landing exactly on a cap included: the same buckets, in the same order where
+    one dtype leaves one bucket unfinished (with several, the reducer orders the unfinished ones by a hash). And the
+    core launches buckets strictly in bucket order even when backward readies them in another order (ranks may see
+    different orders; collectives are matched by issue order). One process, a group of one."""
+    import random
+    dist = torch.distributed
+    lesson = load_script("05_manual_ddp_gpt2.py")
+    rng = random.Random(0)
+    for _ in range(500):
+        tensors = [torch.empty(rng.choice([1, 2, 4, 8, 16, 25, 64]), dtype=rng.choice([torch.float32, torch.float64]))
+                   for _ in range(rng.randint(1, 10))]
+        caps, order = rng.choice([[64], [64, 256], [100], [16, 32, 64], [4]]), rng.sample(range(len(tensors)),
+                                                                                          len(tensors))
+        theirs, _ = dist._compute_bucket_assignment_by_size([tensors[i] for i in order], caps, [False] * len(order),
+                                                            order)
+        ours = lesson.bucket_layout(tensors, order, caps)
+        assert sorted(ours) == sorted(map(list, theirs)), (caps, order, ours, theirs)
+        if len({t.dtype for t in tensors}) == 1:
+            assert ours == list(map(list, theirs)), (caps, order, ours, theirs)
+
+    class TwoBranches(torch.nn.Module):  # the branch computed last is the first whose gradients backward makes
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x, b_first):
+            first, second = (self.b, self.a) if b_first else (self.a, self.b)
+            y = first(x)
+            return y + second(x)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        core = lesson.DDPCore(TwoBranches(), bucket_cap_mb=1e-9)  # after the rebuild: a bucket per parameter
+        launched, all_reduce = [], dist.all_reduce
+
+        def recorded(tensor, *args, **kwargs):
+            launched.append(tensor.data_ptr())
+            return all_reduce(tensor, *args, **kwargs)
+        monkeypatch.setattr(dist, "all_reduce", recorded)
+        for b_first in (False, False, True, False, True):  # the rebuild follows the first order; then it flips
+            launched.clear()
+            core(torch.randn(2, 4), b_first).sum().backward()
+            assert launched == [b.flat.data_ptr() for b in core.buckets], (b_first, launched)
+        assert len(core.buckets) == 4
+    finally:
+        dist.destroy_process_group()
