@@ -102,6 +102,20 @@ def test_killed_restarted_damaged_and_continued(tiny_models, tmp_path):
                                                  blocks[:, 1:].flatten()).item()
     said = float(re.search(r"step +16/16 \| val loss +([\d.]+)", whole.output).group(1))
     assert n == 64 and abs(said - ours) < 1e-4, (said, ours)  # 2 ranks x 8 batches of 4
+    # Step 1's loss is the mean over both ranks' 2 micro-batches, each rank on its own share of the data and with its
+    # own dropout masks (seed + rank): one process recomputes it from the starting weights, as the script built them.
+    from torch.utils.data import DistributedSampler
+    parsed = lesson.parse_args([*map(str, args)])
+    tok, start_model = lesson.build_model(parsed)
+    data = lesson.load_tokens(parsed, tok)[0].unfold(0, 33, 32)
+    losses = []
+    with torch.no_grad():
+        for rank in (0, 1):
+            idx = list(DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=0, drop_last=True))
+            torch.manual_seed(rank)  # step 0's dropout seed on this rank
+            losses += [lesson.next_token_loss(start_model.train(), data[idx[4 * m:4 * m + 4]], parsed) for m in (0, 1)]
+    said = float(re.search(r"^step +1/16 \| loss +([\d.]+)", whole.output, re.M).group(1))
+    assert abs(said - torch.stack(losses).mean().item()) < 1e-4, (said, losses)
     # Checkpoints are complete files, the newest two kept, no temporary left behind.
     out = tmp_path / "whole"
     assert sorted(p.name for p in out.glob("*checkpoint*")) == ["checkpoint-12.pt", "checkpoint-16.pt"]
