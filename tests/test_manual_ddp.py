@@ -103,7 +103,8 @@ def test_buckets_are_cut_as_pytorchs_and_leave_in_bucket_order(monkeypatch):
     sizes, dtypes, orders and caps, sizes landing exactly on a cap included: the same buckets, in the same order where
     one dtype leaves one bucket unfinished (with several, the reducer orders the unfinished ones by a hash). And the
     core launches buckets strictly in bucket order even when backward readies them in another order (ranks may see
-    different orders; collectives are matched by issue order). One process, a group of one."""
+    different orders; collectives are matched by issue order), each gradient added by autograd into its bucket slot
+    (no copy). One process, a group of one."""
     import random
     dist = torch.distributed
     lesson = load_script("05_manual_ddp_gpt2.py")
@@ -139,10 +140,18 @@ def test_buckets_are_cut_as_pytorchs_and_leave_in_bucket_order(monkeypatch):
             launched.append(tensor.data_ptr())
             return all_reduce(tensor, *args, **kwargs)
         monkeypatch.setattr(dist, "all_reduce", recorded)
+        in_place, ready = [], lesson.DDPCore._on_grad_ready
+
+        def watched(self, i, p):  # autograd added the gradient into the bucket itself: nothing to copy
+            bucket, slot = self._where[i]
+            in_place.append(p.grad.data_ptr() == bucket.views[slot].data_ptr())
+            return ready(self, i, p)
+        monkeypatch.setattr(lesson.DDPCore, "_on_grad_ready", watched)
         for b_first in (False, False, True, False, True):  # the rebuild follows the first order; then it flips
             launched.clear()
+            core.module.zero_grad(set_to_none=True)  # as 05's loop: no .grad before forward
             core(torch.randn(2, 4), b_first).sum().backward()
             assert launched == [b.flat.data_ptr() for b in core.buckets], (b_first, launched)
-        assert len(core.buckets) == 4
+        assert len(core.buckets) == 4 and len(in_place) == 20 and all(in_place), in_place
     finally:
         dist.destroy_process_group()

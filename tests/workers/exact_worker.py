@@ -48,6 +48,18 @@ class OutOfOrder(nn.Module):
         return self.head(torch.tanh(self.late(h)))
 
 
+class WithBatchNorm(nn.Module):
+    """BatchNorm's running statistics: buffers that rank 0 broadcasts before every synced forward."""
+
+    def __init__(self, d=16, vocab=64):
+        super().__init__()
+        self.emb, self.bn, self.head = nn.Embedding(vocab, d), nn.BatchNorm1d(d), nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h = self.emb(x)
+        return self.head(torch.relu(self.bn(h.flatten(0, 1)).view_as(h)))
+
+
 def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -84,7 +96,8 @@ def train_both(make, steps=4, accum=1, group=None, ours_class=ManualDDP, **kw):
                     (loss_of(model, batch(step, rank, micro)) / accum).backward()
             opt.step()
             opt.zero_grad()
-        for (name, a), b in zip(ours.module.named_parameters(), theirs.module.parameters()):
+        for (name, a), b in [*zip(ours.module.named_parameters(), theirs.module.parameters()),
+                             *zip(ours.module.named_buffers(), theirs.module.buffers())]:
             assert torch.equal(a, b), (f"{ours_class.__name__} {kw} accum {accum} step {step}: {name} differs by "
                                        f"{(a - b).abs().max().item():.3g}")
     assert identical_across_ranks(list(ours.parameters()), group), f"{ours_class.__name__} {kw}: ranks differ"
@@ -106,6 +119,7 @@ def check_exact(group=None):
             if not kw.get("static_graph") and not kw.get("find_unused_parameters"):  # the core's layout, unchanged
                 assert [b.indices for b in ours.buckets] == layouts[(make.__name__, tuple(kw.items()))]
         train_both(make, accum=3, bucket_cap_mb=0.005, group=group)
+    train_both(WithBatchNorm, accum=2, group=group, ours_class=DDPCore)  # buffers as DDP's too, no_sync included
     ours = train_both(lambda: OutOfOrder(unused=True), find_unused_parameters=True, bucket_cap_mb=0.01, group=group)
     assert ours.module.unused.weight.grad is None
     if DEVICE.type == "cuda":  # bf16 autocast, as GPU users train: still bit-identical
