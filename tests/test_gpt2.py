@@ -176,6 +176,12 @@ def test_pretrained_llama_on_local_files(tiny_models, tmp_path):
     assert res.returncode == 0 and res.ok_line(), res.output
     w, start = weights(tmp_path / "out"), weights(tiny_models / "llama")
     assert w.keys() == start.keys() and any(not torch.equal(w[k], v) for k, v in start.items()), "nothing trained"
+    # The tutorial's average through 05's own loop (accumulate, average, clip, step) gives DDP's bits on 2 ranks:
+    # (a + b) / 2 and a / 2 + b / 2 are the same float when the divisor is a power of two.
+    naive = launch.torchrun(SCRIPT, 2, args[:-1] + [tmp_path / "naive", "--impl", "naive"], timeout=180)
+    assert naive.returncode == 0 and naive.ok_line(), naive.output
+    n = weights(tmp_path / "naive")
+    assert all(torch.equal(w[k], n[k]) for k in w), [k for k in w if not torch.equal(w[k], n[k])]
     # MFU: the FLOPs of a token (6N + 12 L d T, N as parameters() counts it, tied once: the GPU check's count) times
     # tokens/s per rank, over the peak
     from transformers import AutoModelForCausalLM
