@@ -81,7 +81,7 @@ def loss_of(model, data, **kw):
 def train_both(make, steps=4, accum=1, group=None, ours_class=ManualDDP, **kw):
     """Train ours (ManualDDP, or the core alone) and DDP from the same weights on the same data; compare bit for bit
     after every step. Accumulation: the first accum - 1 micro-batches inside no_sync()."""
-    torch.manual_seed(0)
+    torch.manual_seed(dist.get_rank())  # different weights on each rank: the wrapper must start from rank 0's
     base = make().to(DEVICE)
     if DEVICE.type == "cuda" and ours_class is ManualDDP:  # the core takes no device_ids: inputs are on DEVICE
         kw = dict(kw, device_ids=[DEVICE.index])
