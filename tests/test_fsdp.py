@@ -134,3 +134,36 @@ def test_fully_shard_gets_a_mesh_on_the_chosen_device(script, monkeypatch):
         assert meshes == {"cpu"} and not asked, (meshes, asked)
     finally:
         dist.destroy_process_group()
+
+
+def test_each_rank_step_and_micro_batch_draws_its_own_windows(script, monkeypatch):
+    """08's batches with --grad-accum 2, as ranks 0 and 1 draw them at steps 0 and 1: eight different batches (a
+    seed without the rank, or one that confuses (step 0, micro 1) with (step 1, micro 0), repeats data)."""
+    fsdp = script(SCRIPT)
+    args = fsdp.parse_args(TINY + ["--grad-accum", "2"])
+    text = torch.arange(5000) % 256
+    drawn = []
+    for rank in (0, 1):
+        monkeypatch.setattr(fsdp, "RANK", rank)
+        drawn += [fsdp.batch(text, step, micro, args, torch.device("cpu")) for step in (0, 1) for micro in (0, 1)]
+    assert all(not torch.equal(a, b) for i, a in enumerate(drawn) for b in drawn[i + 1:])
+
+
+def test_accumulating_one_batch_twice_gives_its_gradient(script, monkeypatch):
+    """08's loop with --grad-accum 2 fed the same micro-batch twice: the global gradient norm (before clipping) is
+    the one that batch gives in a step without accumulation: each micro-batch's loss halved, and the sum reduced on
+    the last micro-batch. One process, a group of one."""
+    import torch.distributed as dist
+    fsdp = script(SCRIPT)
+    batch = fsdp.batch
+    monkeypatch.setattr(fsdp, "batch", lambda text, step, micro, args, device: batch(text, step, 0, args, device))
+    text = torch.arange(5000) % 256
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        norms = {}
+        for accum in (1, 2):
+            args = fsdp.parse_args(TINY + ["--max-steps", "1", "--grad-accum", str(accum), "--clip", "1e9"])
+            norms[accum] = fsdp.train("ours", args, torch.device("cpu"), text, None)[1]["norms"][0]
+        assert torch.allclose(norms[1], norms[2], rtol=1e-5), norms
+    finally:
+        dist.destroy_process_group()

@@ -60,3 +60,16 @@ def test_zero2_peak_below_zero1_on_every_shape():
     #33: on few large layers it used to peak above ZeRO-1, its full-size transients outweighing the shards)."""
     res = launch.run(launch.torchrun_cmd("tests/workers/zero_memory_worker.py", 2), timeout=180)
     assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output
+
+
+def test_each_rank_and_step_trains_on_its_own_tokens(monkeypatch):
+    """07's batches, as ranks 0 and 1 draw them at steps 0 and 1: four different batches (a seed without the rank
+    would train every replica on the same data)."""
+    import torch
+    zero = load_script(SCRIPT)
+    args = zero.parse_args(TINY)
+    drawn = []
+    for rank in (0, 1):
+        monkeypatch.setattr(zero, "RANK", rank)
+        drawn += [zero.tokens(step, args, torch.device("cpu")) for step in (0, 1)]
+    assert all(not torch.equal(a, b) for i, a in enumerate(drawn) for b in drawn[i + 1:])
