@@ -167,3 +167,28 @@ def test_accumulating_one_batch_twice_gives_its_gradient(script, monkeypatch):
         assert torch.allclose(norms[1], norms[2], rtol=1e-5), norms
     finally:
         dist.destroy_process_group()
+
+
+def test_the_nccl_path_asks_for_the_mean_of_the_rows_and_keeps_its_own(script, monkeypatch):
+    """08's reduce on NCCL (which the CPU never runs, and the GPU tier runs on one rank, where nothing is reduced): a
+    unit of 2 ranks asks for one reduce-scatter of the whole packed buffer, AVG, into a row of its own size.
+    One process, a group of one, the unit told it has 2 ranks on NCCL; the call recorded, not run."""
+    import torch.distributed as dist
+    fsdp = script(SCRIPT)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        unit = fsdp.fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4))).fsdp_unit
+        unit.world, unit.gloo = 2, False
+        calls = []
+
+        def recorded(out, inp, **kw):
+            calls.append((out, inp, kw))
+            return "handle"
+        monkeypatch.setattr(fsdp, "reduce_scatter", recorded)
+        rows = torch.randn(2, 10)
+        out, handle = unit.start_reduce(rows)
+        (got, inp, kw), = calls
+        assert handle == "handle" and got is out and out.shape == (10,) and out.dtype == rows.dtype
+        assert inp.data_ptr() == rows.data_ptr() and inp.shape == (20,) and kw["op"] == dist.ReduceOp.AVG, kw
+    finally:
+        dist.destroy_process_group()
