@@ -161,6 +161,9 @@ def check_zero(group, steps=4, cap=0.0004):
             assert_same(state(z.module), state(ref), "ZeroDDP, construction")
         for step in range(-2, steps):  # two backward passes first: DDP with static_graph settles its buckets
             for model, o in [(theirs, opt)] + [(z, z) for z in zeros]:
+                if step >= 0:  # a micro-batch accumulated first: DDP broadcasts no buffers before the next forward
+                    with model.no_sync():
+                        loss_of(model, batch(100 + step)).backward()
                 loss_of(model, batch(step)).backward()
                 if step >= 0:
                     o.step()
