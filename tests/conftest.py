@@ -34,3 +34,12 @@ def identical_across_ranks(tensors, group=None):
 @pytest.fixture
 def script():
     return load_script
+
+
+@pytest.fixture
+def group_of_one():
+    """A gloo process group of this one process (rank 0 of 1), for in-process tests; destroyed after the test."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

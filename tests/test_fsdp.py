@@ -91,49 +91,39 @@ def test_a_finished_run_again_saves_its_model_and_says_nothing_is_left(tmp_path)
     assert (out / "model.safetensors").read_bytes() == saved
 
 
-def test_clip_grad_norm_uses_pytorchs_norm_kernel(script, monkeypatch):
+def test_clip_grad_norm_uses_pytorchs_norm_kernel(script, monkeypatch, group_of_one):
     # On a GPU, _foreach_norm and one vector_norm per tensor add in different orders, so 08's clip_grad_norm_ must
     # take the kernel PyTorch's takes for fully_shard's DTensor gradients. On the CPU both give the same bits, so
     # the kernel is checked here by name: both must call _foreach_norm, and agree.
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     calls, real = [], torch._foreach_norm
     monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: calls.append(len(ts)) or real(ts, *a, **k))
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        shapes = [(7, 5), (5,), (3, 3)]
-        params = [distribute_tensor(torch.randn(s), mesh, [Shard(0)]) for s in shapes]
-        grads = [torch.randn(s) * 10 for s in shapes]
-        theirs, ours = [torch.nn.Parameter(p) for p in params], [torch.nn.Parameter(p.to_local()) for p in params]
-        for t, o, g in zip(theirs, ours, grads):
-            t.grad, o.grad = distribute_tensor(g, mesh, [Shard(0)]), g.clone()
-        norm = torch.nn.utils.clip_grad_norm_(theirs, 1.0).full_tensor()
-        assert calls, "clip_grad_norm_ no longer uses _foreach_norm for DTensors: 08 must follow it"
-        calls.clear()
-        assert torch.equal(script("08_fsdp.py").clip_grad_norm_(ours, 1.0), norm) and calls == [3]
-        assert all(torch.equal(t.grad.full_tensor(), o.grad) for t, o in zip(theirs, ours))
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (1,))
+    shapes = [(7, 5), (5,), (3, 3)]
+    params = [distribute_tensor(torch.randn(s), mesh, [Shard(0)]) for s in shapes]
+    grads = [torch.randn(s) * 10 for s in shapes]
+    theirs, ours = [torch.nn.Parameter(p) for p in params], [torch.nn.Parameter(p.to_local()) for p in params]
+    for t, o, g in zip(theirs, ours, grads):
+        t.grad, o.grad = distribute_tensor(g, mesh, [Shard(0)]), g.clone()
+    norm = torch.nn.utils.clip_grad_norm_(theirs, 1.0).full_tensor()
+    assert calls, "clip_grad_norm_ no longer uses _foreach_norm for DTensors: 08 must follow it"
+    calls.clear()
+    assert torch.equal(script("08_fsdp.py").clip_grad_norm_(ours, 1.0), norm) and calls == [3]
+    assert all(torch.equal(t.grad.full_tensor(), o.grad) for t, o in zip(theirs, ours))
 
 
-def test_fully_shard_gets_a_mesh_on_the_chosen_device(script, monkeypatch):
+def test_fully_shard_gets_a_mesh_on_the_chosen_device(script, monkeypatch, group_of_one):
     # Without a mesh, fully_shard builds one on torch._C._get_accelerator(): CUDA wherever a GPU exists, even when
     # the script chose the CPU (more ranks than GPUs, --device cpu). Here the machine pretends to have CUDA: 08's
     # PyTorch column must not ask, and its parameters must live on a CPU mesh.
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     asked = []
     monkeypatch.setattr(torch._C, "_get_accelerator", lambda: asked.append(1) or torch.device("cuda"))
     fsdp = script(SCRIPT)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model, _, _ = fsdp.build("fully_shard", fsdp.parse_args(TINY), torch.device("cpu"), None)
-        meshes = {p.device_mesh.device_type for p in model.parameters() if isinstance(p, DTensor)}
-        assert meshes == {"cpu"} and not asked, (meshes, asked)
-    finally:
-        dist.destroy_process_group()
+    model, _, _ = fsdp.build("fully_shard", fsdp.parse_args(TINY), torch.device("cpu"), None)
+    meshes = {p.device_mesh.device_type for p in model.parameters() if isinstance(p, DTensor)}
+    assert meshes == {"cpu"} and not asked, (meshes, asked)
 
 
 def test_each_rank_step_and_micro_batch_draws_its_own_windows(script, monkeypatch):
@@ -149,46 +139,37 @@ def test_each_rank_step_and_micro_batch_draws_its_own_windows(script, monkeypatc
     assert all(not torch.equal(a, b) for i, a in enumerate(drawn) for b in drawn[i + 1:])
 
 
-def test_accumulating_one_batch_twice_gives_its_gradient(script, monkeypatch):
+def test_accumulating_one_batch_twice_gives_its_gradient(script, monkeypatch, group_of_one):
     """08's loop with --grad-accum 2 fed the same micro-batch twice: the global gradient norm (before clipping) is
     the one that batch gives in a step without accumulation: each micro-batch's loss halved, and the sum reduced on
     the last micro-batch. One process, a group of one."""
-    import torch.distributed as dist
     fsdp = script(SCRIPT)
     batch = fsdp.batch
     monkeypatch.setattr(fsdp, "batch", lambda text, step, micro, args, device: batch(text, step, 0, args, device))
     text = torch.arange(5000) % 256
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        norms = {}
-        for accum in (1, 2):
-            args = fsdp.parse_args(TINY + ["--max-steps", "1", "--grad-accum", str(accum), "--clip", "1e9"])
-            norms[accum] = fsdp.train("ours", args, torch.device("cpu"), text, None)[1]["norms"][0]
-        assert torch.allclose(norms[1], norms[2], rtol=1e-5), norms
-    finally:
-        dist.destroy_process_group()
+    norms = {}
+    for accum in (1, 2):
+        args = fsdp.parse_args(TINY + ["--max-steps", "1", "--grad-accum", str(accum), "--clip", "1e9"])
+        norms[accum] = fsdp.train("ours", args, torch.device("cpu"), text, None)[1]["norms"][0]
+    assert torch.allclose(norms[1], norms[2], rtol=1e-5), norms
 
 
-def test_the_nccl_path_asks_for_the_mean_of_the_rows_and_keeps_its_own(script, monkeypatch):
+def test_the_nccl_path_asks_for_the_mean_of_the_rows_and_keeps_its_own(script, monkeypatch, group_of_one):
     """08's reduce on NCCL (which the CPU never runs, and the GPU tier runs on one rank, where nothing is reduced): a
     unit of 2 ranks asks for one reduce-scatter of the whole packed buffer, AVG, into a row of its own size.
     One process, a group of one, the unit told it has 2 ranks on NCCL; the call recorded, not run."""
     import torch.distributed as dist
     fsdp = script(SCRIPT)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        unit = fsdp.fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4))).fsdp_unit
-        unit.world, unit.gloo = 2, False
-        calls = []
+    unit = fsdp.fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4))).fsdp_unit
+    unit.world, unit.gloo = 2, False
+    calls = []
 
-        def recorded(out, inp, **kw):
-            calls.append((out, inp, kw))
-            return "handle"
-        monkeypatch.setattr(fsdp, "reduce_scatter", recorded)
-        rows = torch.randn(2, 10)
-        out, handle = unit.start_reduce(rows)
-        (got, inp, kw), = calls
-        assert handle == "handle" and got is out and out.shape == (10,) and out.dtype == rows.dtype
-        assert inp.data_ptr() == rows.data_ptr() and inp.shape == (20,) and kw["op"] == dist.ReduceOp.AVG, kw
-    finally:
-        dist.destroy_process_group()
+    def recorded(out, inp, **kw):
+        calls.append((out, inp, kw))
+        return "handle"
+    monkeypatch.setattr(fsdp, "reduce_scatter", recorded)
+    rows = torch.randn(2, 10)
+    out, handle = unit.start_reduce(rows)
+    (got, inp, kw), = calls
+    assert handle == "handle" and got is out and out.shape == (10,) and out.dtype == rows.dtype
+    assert inp.data_ptr() == rows.data_ptr() and inp.shape == (20,) and kw["op"] == dist.ReduceOp.AVG, kw

@@ -73,32 +73,28 @@ def test_05_opens_on_the_naive_version_then_the_core_and_the_drop_in_replaces_wh
     assert f"the {size}-line class" in (launch.REPO / "docs" / "manual_ddp.md").read_text()
 
 
-def test_a_dropped_ddpcore_is_freed_and_its_hooks_stay_quiet(monkeypatch):
+def test_a_dropped_ddpcore_is_freed_and_its_hooks_stay_quiet(monkeypatch, group_of_one):
     """The core's hooks hold it by a weak reference: a wrapper dropped (the notebooks wrap one module again and
     again) is freed at once, and the next wrapper's backward sends one all-reduce per bucket, not one more per
     wrapper that came before. One process, a group of one."""
     import weakref
     dist = torch.distributed
     lesson = load_script("05_manual_ddp_gpt2.py")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-        dropped = weakref.ref(lesson.DDPCore(model))
-        assert dropped() is None, "the hooks keep a dropped DDPCore alive"
-        sent, all_reduce = [], dist.all_reduce
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    dropped = weakref.ref(lesson.DDPCore(model))
+    assert dropped() is None, "the hooks keep a dropped DDPCore alive"
+    sent, all_reduce = [], dist.all_reduce
 
-        def counted(*args, **kwargs):
-            sent.append(args[0].numel())
-            return all_reduce(*args, **kwargs)
-        monkeypatch.setattr(dist, "all_reduce", counted)
-        again = lesson.DDPCore(model)
-        again(torch.randn(3, 4)).sum().backward()
-        assert sent == [sum(p.numel() for p in model.parameters())] and len(again.buckets) == 1, sent
-    finally:
-        dist.destroy_process_group()
+    def counted(*args, **kwargs):
+        sent.append(args[0].numel())
+        return all_reduce(*args, **kwargs)
+    monkeypatch.setattr(dist, "all_reduce", counted)
+    again = lesson.DDPCore(model)
+    again(torch.randn(3, 4)).sum().backward()
+    assert sent == [sum(p.numel() for p in model.parameters())] and len(again.buckets) == 1, sent
 
 
-def test_buckets_are_cut_as_pytorchs_and_leave_in_bucket_order(monkeypatch):
+def test_buckets_are_cut_as_pytorchs_and_leave_in_bucket_order(monkeypatch, group_of_one):
     """bucket_layout against PyTorch's own bucketing (the reducer's compute_bucket_assignment_by_size) over random
     sizes, dtypes, orders and caps, sizes landing exactly on a cap included: the same buckets, in the same order where
     one dtype leaves one bucket unfinished (with several, the reducer orders the unfinished ones by a hash). And the
@@ -131,27 +127,23 @@ def test_buckets_are_cut_as_pytorchs_and_leave_in_bucket_order(monkeypatch):
             y = first(x)
             return y + second(x)
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        core = lesson.DDPCore(TwoBranches(), bucket_cap_mb=1e-9)  # after the rebuild: a bucket per parameter
-        launched, all_reduce = [], dist.all_reduce
+    core = lesson.DDPCore(TwoBranches(), bucket_cap_mb=1e-9)  # after the rebuild: a bucket per parameter
+    launched, all_reduce = [], dist.all_reduce
 
-        def recorded(tensor, *args, **kwargs):
-            launched.append(tensor.data_ptr())
-            return all_reduce(tensor, *args, **kwargs)
-        monkeypatch.setattr(dist, "all_reduce", recorded)
-        in_place, ready = [], lesson.DDPCore._on_grad_ready
+    def recorded(tensor, *args, **kwargs):
+        launched.append(tensor.data_ptr())
+        return all_reduce(tensor, *args, **kwargs)
+    monkeypatch.setattr(dist, "all_reduce", recorded)
+    in_place, ready = [], lesson.DDPCore._on_grad_ready
 
-        def watched(self, i, p):  # autograd added the gradient into the bucket itself: nothing to copy
-            bucket, slot = self._where[i]
-            in_place.append(p.grad.data_ptr() == bucket.views[slot].data_ptr())
-            return ready(self, i, p)
-        monkeypatch.setattr(lesson.DDPCore, "_on_grad_ready", watched)
-        for b_first in (False, False, True, False, True):  # the rebuild follows the first order; then it flips
-            launched.clear()
-            core.module.zero_grad(set_to_none=True)  # as 05's loop: no .grad before forward
-            core(torch.randn(2, 4), b_first).sum().backward()
-            assert launched == [b.flat.data_ptr() for b in core.buckets], (b_first, launched)
-        assert len(core.buckets) == 4 and len(in_place) == 20 and all(in_place), in_place
-    finally:
-        dist.destroy_process_group()
+    def watched(self, i, p):  # autograd added the gradient into the bucket itself: nothing to copy
+        bucket, slot = self._where[i]
+        in_place.append(p.grad.data_ptr() == bucket.views[slot].data_ptr())
+        return ready(self, i, p)
+    monkeypatch.setattr(lesson.DDPCore, "_on_grad_ready", watched)
+    for b_first in (False, False, True, False, True):  # the rebuild follows the first order; then it flips
+        launched.clear()
+        core.module.zero_grad(set_to_none=True)  # as 05's loop: no .grad before forward
+        core(torch.randn(2, 4), b_first).sum().backward()
+        assert launched == [b.flat.data_ptr() for b in core.buckets], (b_first, launched)
+    assert len(core.buckets) == 4 and len(in_place) == 20 and all(in_place), in_place

@@ -9,7 +9,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import REPO, load_script
 
@@ -69,34 +68,31 @@ class DiskFull:
         raise OSError("disk full")
 
 
-def test_the_checkpoint_block_writes_whole_files_keeps_two_and_resumes_from_the_newest_that_loads(tmp_path, capsys):
+def test_the_checkpoint_block_writes_whole_files_keeps_two_and_resumes_from_the_newest_that_loads(tmp_path, capsys,
+                                                                                               group_of_one):
     """The block itself, in one process (a group of one): a write that fails half-way leaves no checkpoint of that
     step, the newest two are kept, a damaged one is skipped with a warning and written over when its step is saved
     again, and an --out holding someone's files stops before anything is written."""
     block = load_script("05_manual_ddp_gpt2.py")  # the same code as 06's and 08's (the test above)
     out = str(tmp_path / "out")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        assert block.load_newest(out) is None and os.listdir(out) == []  # created, empty: a new run
-        for step in (1, 2, 3):
-            block.save_checkpoint(out, step, {"step": step, "w": torch.full((4,), float(step))})
-        with pytest.raises(OSError, match="disk full"):  # a write cut short after the file was opened
-            block.save_checkpoint(out, 4, {"step": 4, "w": torch.zeros(1000), "last": DiskFull()})
-        assert sorted(glob.glob("checkpoint-*.pt", root_dir=out)) == ["checkpoint-2.pt", "checkpoint-3.pt"]
-        (tmp_path / "out" / "checkpoint-3.pt").write_bytes(b"cut short by a disk fault")
-        state = block.load_newest(out)
-        assert state["step"] == 2 and torch.equal(state["w"], torch.full((4,), 2.0)), state
-        assert "checkpoint-3.pt does not load" in capsys.readouterr().out
-        block.save_checkpoint(out, 3, {"step": 3, "w": torch.full((4,), 3.0)})  # the resumed run saves step 3 again
-        assert block.load_newest(out)["step"] == 3
-        mine = tmp_path / "mine"
-        mine.mkdir()
-        (mine / "notes.txt").write_text("a reader's file")
-        with pytest.raises(block.UsageError, match="holds files that no run wrote"):
-            block.load_newest(str(mine))
-        assert os.listdir(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "a reader's file"
-    finally:
-        dist.destroy_process_group()
+    assert block.load_newest(out) is None and os.listdir(out) == []  # created, empty: a new run
+    for step in (1, 2, 3):
+        block.save_checkpoint(out, step, {"step": step, "w": torch.full((4,), float(step))})
+    with pytest.raises(OSError, match="disk full"):  # a write cut short after the file was opened
+        block.save_checkpoint(out, 4, {"step": 4, "w": torch.zeros(1000), "last": DiskFull()})
+    assert sorted(glob.glob("checkpoint-*.pt", root_dir=out)) == ["checkpoint-2.pt", "checkpoint-3.pt"]
+    (tmp_path / "out" / "checkpoint-3.pt").write_bytes(b"cut short by a disk fault")
+    state = block.load_newest(out)
+    assert state["step"] == 2 and torch.equal(state["w"], torch.full((4,), 2.0)), state
+    assert "checkpoint-3.pt does not load" in capsys.readouterr().out
+    block.save_checkpoint(out, 3, {"step": 3, "w": torch.full((4,), 3.0)})  # the resumed run saves step 3 again
+    assert block.load_newest(out)["step"] == 3
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a reader's file")
+    with pytest.raises(block.UsageError, match="holds files that no run wrote"):
+        block.load_newest(str(mine))
+    assert os.listdir(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "a reader's file"
 
 
 # (--device, --backend, GPUs on the node, local world size, local rank) -> (device, backend) or what the error says

@@ -2,6 +2,7 @@
 ZeroRedundancyOptimizer (tests/workers/zero_worker.py) runs in test_fsdp.py's 3-rank launch."""
 
 import pytest
+import torch
 
 import launch
 from conftest import load_script
@@ -65,7 +66,6 @@ def test_zero2_peak_below_zero1_on_every_shape():
 def test_each_rank_and_step_trains_on_its_own_tokens(monkeypatch):
     """07's batches, as ranks 0 and 1 draw them at steps 0 and 1: four different batches (a seed without the rank
     would train every replica on the same data)."""
-    import torch
     zero = load_script(SCRIPT)
     args = zero.parse_args(TINY)
     drawn = []
