@@ -17,7 +17,6 @@ DDP does (tests/test_clients.py). Why each piece matches DDP the way it does: do
 
 import atexit
 import functools
-import importlib.util
 import itertools
 import math
 import os
@@ -31,21 +30,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lessons.py and 05 lie beside this file
+from lessons import load  # noqa: E402
 
-def _load_lesson():
-    """05_manual_ddp_gpt2.py, beside this file. Its name starts with a digit, so `import` cannot load it: importlib
-    does, under the name the tests' load_script gives it (one copy of DDPCore when both load it)."""
-    name = "manual_ddp_gpt2"
-    if name not in sys.modules:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "05_manual_ddp_gpt2.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-lesson = _load_lesson()
+lesson = load("05_manual_ddp_gpt2.py")  # once per process, so DDPCore is one class everywhere
 Bucket, DDPCore, bucket_layout, broadcast_coalesced = lesson.Bucket, lesson.DDPCore, lesson.bucket_layout, \
     lesson.broadcast_coalesced
 # DDP's own words for a model with nothing to train (PyTorch's tests match on them)

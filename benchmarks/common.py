@@ -3,21 +3,14 @@
 The benchmarks import the hand-written pieces from the numbered scripts, so what is measured is what is taught.
 """
 
-import importlib.util
 import json
 import statistics
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def load_script(filename):
-    """Import a numbered script (its name starts with a digit, so a plain `import` cannot)."""
-    path = REPO / filename
-    spec = importlib.util.spec_from_file_location(path.stem.lstrip("0123456789_"), path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(REPO))
+from lessons import load as load_script  # noqa: E402,F401  (the benchmarks import it from here)
 
 
 def flops_per_token(model, seq_len):

@@ -19,7 +19,6 @@ PNG text fields (Title, Description: the axes and the series drawn).
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -32,6 +31,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from lessons import load  # noqa: E402
 
 
 def torchrun(nproc, script, args, timeout=900, ok=(0,)):
@@ -87,9 +88,7 @@ def ring(out, quick):
 
 
 def overlap(out, quick):
-    spec = importlib.util.spec_from_file_location("overlap", REPO / "benchmarks" / "overlap.py")
-    reader = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(reader)
+    reader = load("benchmarks/overlap.py")
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.6))
     rows, labels, series = 0, [], []
@@ -177,9 +176,7 @@ def curves(out, quick):
 
 
 def scaling(out, quick):
-    spec = importlib.util.spec_from_file_location("costmodel", REPO / "benchmarks" / "costmodel.py")
-    cm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cm)
+    cm = load("benchmarks/costmodel.py")
     plt = pyplot()
     gpus = [8, 64, 1024] if quick else [8, 16, 32, 64, 128, 256, 512, 1024]
     models = ("gpt2", "gpt2-xl", "llama-7b")
@@ -222,9 +219,7 @@ def fsdp(out, quick):
     """benchmarks/costmodel.py's FSDP step, event by event: six layers of a 13B model (MPT-13B's, 40 in all) on
     one node of 8 H100s, one sequence of 2048 tokens a GPU at 40% of peak, with PyTorch's backward prefetch and
     without it."""
-    spec = importlib.util.spec_from_file_location("costmodel", REPO / "benchmarks" / "costmodel.py")
-    cm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cm)
+    cm = load("benchmarks/costmodel.py")
     plt = pyplot()
     shape = dict(cm.model_shape("mpt-13b"), layers=6)
     fig, axes = plt.subplots(2, 1, figsize=(11, 5.6), sharex=True)

@@ -37,15 +37,14 @@ def train(model, batches, lr=0.1, max_norm=0.5):
 
 
 if __name__ == "__main__":  # torchrun --nproc_per_node=2 exercises/find_the_bug.py
-    import importlib.util
     import os
+    import sys
 
     import torch.nn as nn
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from lessons import load
     dist.init_process_group("gloo")
-    spec = importlib.util.spec_from_file_location("debugging", os.path.join(os.path.dirname(__file__), "..",
-                                                                            "09_debugging.py"))
-    debugging = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(debugging)
+    debugging = load("09_debugging.py")
     torch.manual_seed(0)  # the same model on every rank
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
     g = torch.Generator().manual_seed(dist.get_rank())  # each rank its own data

@@ -33,6 +33,9 @@ import torch.nn.functional as F
 import torch.utils.data
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import lessons  # noqa: E402
+
 
 class Failed(AssertionError):
     """A check failed: the message says what, where, and (after "hint:") the usual cause."""
@@ -1221,10 +1224,7 @@ def check_find_the_bug(train):
     """Rung 8: after train(model, batches) every rank holds the same model, bit for bit (check_replicas), and
     its parameters are those of SGD on the rank-averaged gradient, clipped on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("debug_tools", os.path.join(repo, "debug_tools.py"))
-    debug_tools = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(debug_tools)
+    debug_tools = lessons.load("debug_tools.py")
     torch.manual_seed(0)  # the same model on every rank, as the exercise's own run builds it
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
     want = _bug_reference(model, world, lr=0.1, max_norm=0.5)

@@ -28,7 +28,6 @@ outside that group), and the cluster's files live in a private profile directory
 
 import atexit
 import functools
-import importlib.util
 import inspect
 import os
 import re
@@ -142,13 +141,11 @@ def stop():
 
 
 def load(filename):
-    """Import a numbered script by its file name (a module name cannot start with a digit)."""
-    path = REPO / filename
-    spec = importlib.util.spec_from_file_location(path.stem.lstrip("0123456789_"), path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as an import would: pickle finds its classes
-    spec.loader.exec_module(module)
-    return module
+    """Import a numbered script by its file name, afresh, so it reads this rank's environment (lessons.load)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import lessons
+    return lessons.load(filename, fresh=True)
 
 
 # --- showing the scripts' code: rank 0's loaded module, not a copy ---

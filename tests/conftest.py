@@ -1,4 +1,3 @@
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -6,17 +5,14 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-sys.path.insert(0, str(TESTS))  # so tests can `import launch`
+sys.path[:0] = [str(TESTS), str(REPO)]  # so tests can `import launch`, and `import lessons`
+
+from lessons import load  # noqa: E402
 
 
 def load_script(filename):
-    """Import a numbered script (its name starts with a digit, so plain `import` cannot)."""
-    path = REPO / filename
-    spec = importlib.util.spec_from_file_location(path.stem.lstrip("0123456789_"), path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as an import would: pickle finds its classes (torch.save of a wrapper)
-    spec.loader.exec_module(module)
-    return module
+    """Import a numbered script afresh, so it reads the environment the test set (lessons.load)."""
+    return load(filename, fresh=True)
 
 
 def identical_across_ranks(tensors, group=None):

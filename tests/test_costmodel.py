@@ -1,13 +1,13 @@
 """benchmarks/costmodel.py: its predictions against what the lessons' code measures here (fitted and measured in
 the same run), against a published table (the ZeRO paper's), and its command line."""
 
-import importlib.util
 import json
 import sys
 
 import pytest
 
 import launch
+from conftest import load_script
 
 KEYS = {"step_ms", "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "exposed_comm_ms",
         "memory_gib_per_gpu", "gpu_mem_gib", "fits", "best_bucket_mb", "utilization", "mfu", "hfu", "achieved_mfu",
@@ -16,10 +16,7 @@ KEYS = {"step_ms", "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency",
 
 
 def costmodel():
-    spec = importlib.util.spec_from_file_location("costmodel", launch.REPO / "benchmarks" / "costmodel.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/costmodel.py")
 
 
 def cli(*args):

@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 import launch
+from conftest import load_script
 
 SCENARIOS = {  # scenario -> what its output must show: the diagnosis, as the tool printed it
     "mismatch": ["rank 0 runs ALLREDUCE of shape [3]", "runs ALLREDUCE of shape [2]",
@@ -301,13 +302,9 @@ SPAWN = "tests/workers/spawn_train.py"
 
 def spawned_jobs(folder):
     """test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_workers's three runs."""
-    import importlib.util
-
     import torch
     sys.path.insert(0, str(launch.REPO))  # spawn_train imports debug_tools, as the job's own PYTHONPATH has it
-    spec = importlib.util.spec_from_file_location("spawn_train", launch.REPO / SPAWN)
-    spawn_train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(spawn_train)
+    spawn_train = load_script(SPAWN)
     torch.manual_seed(1)  # the checkpoint: one step of the tutorial's model and optimizer
     model = spawn_train.ToyModel()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
