@@ -499,19 +499,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# --- setup: the same block in every numbered script, copied (not imported) so that each file runs on its own ---
-RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets them per process
+# --- setup: the same block in every numbered script, copied so that each file runs alone ---
+RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # from torchrun
 
 
-class UsageError(Exception): ...  # a bad flag or input: one `error:` line from rank 0 (run()), exit status 2
+class UsageError(Exception): ...  # a bad flag or input: one `error:` line (run()), exit status 2
 
 
-def print0(*msg):  # the rank-0 narrative: printed once, not N times
+def print0(*msg):  # rank 0 tells the story, once. One write, so that lines from ranks never mix.
     if RANK == 0:
-        print(*msg, flush=True)
+        print(" ".join(map(str, msg)) + "\n", end="", flush=True)
 
 
-def at_least(low, kind=int, below=math.inf):  # the argparse type of a numeric flag: low <= value < below
+def at_least(low, kind=int, below=math.inf):  # a number flag's type: low <= value < below
     def parse(text):
         if not low <= kind(text) < below:
             raise argparse.ArgumentTypeError(f"must be >= {low} and < {below}, got {text}")
@@ -521,37 +521,42 @@ def at_least(low, kind=int, below=math.inf):  # the argparse type of a numeric f
 
 class Parser(argparse.ArgumentParser):  # the flags every script shares
     def __init__(self, doc, timeout_s=120):
-        super().__init__(description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        self.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: a GPU per rank")
-        self.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with a GPU per rank, else gloo")
-        self.add_argument("--timeout-s", type=at_least(1, float), default=timeout_s, help="how long to wait for a peer")
+        super().__init__(description=doc.split("\n")[0],
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        self.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+        self.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl if GPUs")
+        self.add_argument("--timeout-s", type=at_least(1, float), default=timeout_s,
+                          help="how long a rank waits for a peer")
 
-    def error(self, message): raise UsageError(message)  # not argparse's usage on every rank: one line (run())
+    def error(self, message): raise UsageError(message)  # one line from rank 0 (run())
 
 
-def setup(args):  # a GPU for each rank on this node, else the CPU (or shared GPUs: --device cuda); then join
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+def setup(args):  # pick this rank's device, then join the group
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpus = 0 if args.device == "cpu" else torch.cuda.device_count()  # --device cpu never asks CUDA
-    backend = args.backend or ("nccl" if gpus >= local_world else "gloo")  # gloo can share a GPU between ranks
-    if (args.device == "cuda" and gpus == 0) or (backend == "nccl" and gpus < local_world):  # NCCL cannot
-        raise UsageError(f"--device {args.device} --backend {backend}: {gpus} CUDA GPU(s) for {local_world} ranks")
-    device = torch.device(f"cuda:{local_rank % gpus}" if gpus >= local_world or args.device == "cuda" else "cpu")
+    backend = args.backend or ("nccl" if gpus >= local_world else "gloo")  # NCCL: a GPU per rank
+    if (args.device == "cuda" and gpus == 0) or (backend == "nccl" and gpus < local_world):
+        raise UsageError(f"--backend {backend}: {gpus} CUDA GPU(s) for {local_world} ranks")
+    on_gpu = gpus >= local_world or args.device == "cuda"  # gloo lets the ranks share GPUs
+    device = torch.device(f"cuda:{local_rank % gpus}" if on_gpu else "cpu")
     if device.type == "cuda":  # before init, so that NCCL binds this rank to its GPU
         torch.cuda.set_device(device)
-    print0(f"device: {device.type}, {backend} (--device {args.device}, {gpus} GPU(s) for {local_world} ranks/node)")
-    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)  # plain `python`
+    print0(f"device: {device.type}, {backend} "
+           f"(--device {args.device}, {gpus} GPU(s) for {local_world} ranks/node)")
+    alone = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s), **alone)
     return device
 
 
-def run(main, parse_args):  # a dead peer or a timeout: the library's own error, after --timeout-s at most
+def run(main, parse_args):  # a dead peer ends in the library's timeout error, never a hang
     try:
         main(parse_args())
-    except UsageError as e:  # every rank stops alike, exit 2; rank 0 says why
+    except UsageError as e:  # every rank stops alike, with exit status 2. Rank 0 says why.
         print0(f"error: {e}")
-        os._exit(2)  # at once: tearing down a group that is up can abort in gloo's threads at exit (SIGABRT)
+        os._exit(2)  # at once: tearing down a live group can abort in gloo's threads (SIGABRT)
     dist.destroy_process_group()  # main() always joins the group first
-    time.sleep(0.05)  # gloo's threads drop their last tensors before the interpreter ends (else SIGABRT)
+    time.sleep(0.05)  # gloo's threads drop their last tensors before exit, or it can abort
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def test_nccl_with_fewer_gpus_than_ranks_is_one_error_line():
     results = launch.ranks("03_all_reduce.py", N_GPUS + 1, ["--backend", "nccl"], device="cuda", timeout=120)
     assert all(r.returncode == 2 for r in results), [r.output for r in results]
     lines = [ln for r in results for ln in r.output.splitlines() if ln.strip()]
-    expected = f"error: --device cuda --backend nccl: {N_GPUS} CUDA GPU(s) for {N_GPUS + 1} ranks"
+    expected = f"error: --backend nccl: {N_GPUS} CUDA GPU(s) for {N_GPUS + 1} ranks"
     assert len(lines) == 1 and lines[0].startswith(expected), lines
 
 
