@@ -6,7 +6,7 @@ DistributedDataParallel does, bit for bit. Last comes a training script like nan
 trains any Hugging Face causal LM and resumes exactly where it stopped. ddp_dropin.py adds DDP's
 whole interface to DDPCore.
 
-  CPU:     torchrun --nproc_per_node=4 05_manual_ddp_gpt2.py    # a 0.84M GPT-2, offline
+  CPU:     torchrun --nproc_per_node=4 05_manual_ddp_gpt2.py    # a 0.84M-parameter GPT-2, offline
   N GPUs:  torchrun --nproc_per_node=N 05_manual_ddp_gpt2.py --model gpt2 \\
                --dataset wikitext:wikitext-2-raw-v1 --seq-len 512 --compile
   2 nodes: torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST \\
