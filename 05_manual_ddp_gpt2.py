@@ -409,7 +409,7 @@ def main(args):
         # A seed per step and rank gives each rank its own, and a resumed run draws them again.
         torch.manual_seed(args.seed + 7919 * step + RANK)  # unique for up to 7919 ranks
         for micro in range(args.grad_accum):
-            # Sync on the last micro-batch only. no_sync() sets this flag, as nanoGPT does by hand.
+            # Sync on the last micro-batch only, as nanoGPT does. no_sync() sets this same flag.
             if args.impl != "naive":
                 ddp.require_backward_grad_sync = micro == args.grad_accum - 1
             batch = next(batches).to(device, non_blocking=True)
