@@ -517,7 +517,7 @@ def parse_args(argv=None):
     p = Parser(__doc__, timeout_s=300)
     count = at_least(1)
     g = p.add_argument_group("model, data, training, output")
-    g.add_argument("--model", help="HF causal LM name or local dir (default: a new small GPT-2)")
+    g.add_argument("--model", help="HF causal LM name or local dir, else a new small GPT-2")
     g.add_argument("--dataset", default="stdlib", help="stdlib, local dir/file/glob, or hub name")
     g.add_argument("--impl", choices=["manual", "naive", "torch"], default="manual",
                    help="DDPCore, the naive version, or PyTorch's DDP")
