@@ -217,9 +217,9 @@ def test_inputs_only_the_model_or_data_reveal_are_one_line(tiny_models, tmp_path
     (foreign / "notes.txt").write_text("mine")
     (tmp_path / "empty.txt").write_text("")
     check_one_line_errors(tmp_path, [
-        (["--dataset", tmp_path / "empty.txt"], f"--dataset {tmp_path / 'empty.txt'} is empty: no text to train on"),
-        (["--dataset", empty_dir], f"--dataset {empty_dir} is empty: no text to train on"),
-        (["--seq-len", "100000"], "too few for 1 ranks"),
+        (["--dataset", tmp_path / "empty.txt"], f"--dataset {tmp_path / 'empty.txt'} holds no text to train on"),
+        (["--dataset", empty_dir], f"--dataset {empty_dir} holds no text to train on"),
+        (["--seq-len", "100000"], "tokens are too few for 1 ranks x --batch-size 4 x --seq-len 100000"),
         (["--model", tiny_models / "gpt2", "--seq-len", "65"], "--seq-len 65 exceeds the model's 64 positions"),
         (["--lr", "1e6", "--max-steps", "8"], "training diverged: loss nan at step"),
         (["--out", foreign], f"--out {foreign} holds files that no run wrote")])

@@ -2,6 +2,7 @@
 its arguments, its numbers, its uses."""
 
 import inspect
+import re
 import sys
 
 import pytest
@@ -39,8 +40,8 @@ def test_05_opens_on_the_naive_version_then_the_core_and_the_drop_in_replaces_wh
     """05's first definition is the naive average_gradients, its second DDPCore, a class of about 150 lines that
     holds no ManualDDP and nothing for it: every method of the core is used by 05 itself, and ddp_dropin.py's
     ManualDDP, a subclass of 05's DDPCore (loaded, not copied), extends none of them through super(). The idea (the
-    naive version, the core and its helpers) and the training loop are at least half of 05; the docs state the
-    core's real size."""
+    naive version, the core and its helpers) and the training loop are at least half of 05; every page that gives
+    the core's size ("the N-line class") gives its real size, 05's docstring and docs/ddp.md among them."""
     import ast
     text = (launch.REPO / "05_manual_ddp_gpt2.py").read_text()
     tree = ast.parse(text)
@@ -70,7 +71,11 @@ def test_05_opens_on_the_naive_version_then_the_core_and_the_drop_in_replaces_wh
                 and any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "super"
                         for c in ast.walk(m))]
     assert not extended, f"ManualDDP extends the core's {extended} through super(): the core has hooks for it"
-    assert f"the {size}-line class" in (launch.REPO / "docs" / "manual_ddp.md").read_text()
+    pages = [launch.REPO / "05_manual_ddp_gpt2.py", launch.REPO / "README.md", launch.REPO / "WORKSHOP.md",
+             *(launch.REPO / "docs").glob("*.md")]
+    said = {page.name: {int(n) for n in re.findall(r"\b(\d+)-line class\b", page.read_text())} for page in pages}
+    assert said["05_manual_ddp_gpt2.py"] and said["ddp.md"], said
+    assert all(found <= {size} for found in said.values()), (size, said)
 
 
 def test_a_dropped_ddpcore_is_freed_and_its_hooks_stay_quiet(monkeypatch, group_of_one):
