@@ -1,7 +1,7 @@
 """notebooks/: every notebook runs headless (nbclient) on 2 and 3 ranks and fails when a rank fails; a reader's
 sitting (their own code graded, a mistake, Stop, ranks.reset()) costs one cell, not the notebook; and no rank
 process, cluster file or private profile outlives the kernel by more than 2 s, whether it is shut down or killed
-(issues #37, #45). Each kernel runs in a fresh IPython directory and temporary directory."""
+(issues #37, #45, #62). Each kernel runs in a fresh IPython directory and temporary directory."""
 
 import ast
 import glob
@@ -196,16 +196,17 @@ class Sitting:
         return error, re.sub(r"\x1b\[[0-9;]*m", "", text), took
 
 
-@pytest.mark.slow  # 40-90 s: three groups started, a collective timed out, nine exercise checks
+@pytest.mark.slow  # 70-190 s under load: four groups started, a collective timed out, nine exercise checks
 @pytest.mark.usefixtures("executed")  # the notebooks' headless runs go on meanwhile (below)
 def test_a_readers_sitting_costs_one_cell_per_mistake_and_a_killed_kernel_leaves_nothing(tmp_path):
     """In one kernel: each notebook's "Your turn" check says "not written yet" for its stub, passes a solution from
-    tests/exercise_solutions and names a planted mistake; a cell failing on rank 1 shows rank 1's error; Stop frees
-    ranks that can be interrupted and says to reset when a rank is stuck in a collective (the next cell refuses at
-    once); ranks.reset() gives a working group; a collective only rank 0 joins fails in bounded time with one
-    GroupError naming it, later cells say the group broke, reset again works; a "Your turn" answer that leaves a
-    rank waiting ends its check in bounded time, naming the line; then the kernel is SIGKILLed and its ranks,
-    cluster files and profile are gone within 2 s."""
+    tests/exercise_solutions (and the ranks.show call it then names shows the script's version) and names a planted
+    mistake; a cell failing on rank 1 shows rank 1's error; Stop frees ranks that can be interrupted and says to
+    reset when a rank is stuck in a collective (the next cell refuses at once); the reset, typed as the error words
+    it, gives a working group that the first cell's rc reaches; a collective only rank 0 joins fails in bounded time
+    with one GroupError naming it, later cells say the group broke, reset again works; a "Your turn" answer that
+    leaves a rank waiting ends its check in bounded time, naming the line as Jupyter numbers it; then the kernel is
+    SIGKILLed and its ranks, cluster files and profile are gone within 2 s."""
     import nbformat
     from nbclient import NotebookClient
 
