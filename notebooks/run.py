@@ -1,11 +1,11 @@
-"""Run the notebooks top to bottom, headless, and save them with their outputs (what GitHub shows a reader).
+"""Run the notebooks top to bottom, headless, and save them with their outputs for GitHub.
 
-  python notebooks/run.py                     every notebook here, on 2 ranks, outputs written back
-  python notebooks/run.py 02_ddp.ipynb --ranks 3 --check      one, on 3 ranks, nothing written
+  python notebooks/run.py                                 every notebook, on 2 ranks, saved
+  python notebooks/run.py 02_ddp.ipynb --ranks 3 --check  one notebook, on 3 ranks, not saved
 
-A notebook takes its number of ranks from NOTEBOOK_RANKS (its first cell's value otherwise); --ranks sets it. A
-cell that fails on any rank stops the run with that cell's error (exit 1). Outputs are cleaned of this machine's
-paths before they are saved.
+--ranks sets NOTEBOOK_RANKS, which each notebook's first cell reads. A cell that fails on any rank
+stops the run with that cell's error (exit 1). The outputs are cleaned of this machine's paths
+before they are saved.
 """
 
 import argparse
@@ -21,18 +21,19 @@ HERE = Path(__file__).resolve().parent
 
 
 def execute(path, ranks, timeout=600):
-    """Execute the notebook at `path` on `ranks` ranks; returns the executed notebook (raises on a failed cell)."""
+    """Execute the notebook at `path` on `ranks` ranks, and return it. A failed cell raises."""
     nb = nbformat.read(path, as_version=4)
-    # The kernel's environment (this process's own stays as it was): the ranks for the first cell. Nothing else: a
-    # reader's own headless run (nbconvert --execute) saves the same outputs, without progress bars (ranks.py).
+    # The kernel gets the number of ranks, and nothing else. So a reader's own headless run
+    # (jupyter execute) makes the same outputs.
     env = dict(os.environ, NOTEBOOK_RANKS=str(ranks))
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(HERE)}})
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(HERE)}})
     client.execute(env=env)
     return nb
 
 
 def scrub(nb):
-    """No machine paths in what is committed: the repository's path becomes `.`, the home directory `~`."""
+    """Keep machine paths out of git: the repository's path becomes `.`, the home directory `~`."""
     repo, home = str(HERE.parent), os.path.expanduser("~")
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
@@ -41,7 +42,8 @@ def scrub(nb):
                 if key in output:
                     output[key] = output[key].replace(repo, ".").replace(home, "~")
             if "traceback" in output:
-                output["traceback"] = [t.replace(repo, ".").replace(home, "~") for t in output["traceback"]]
+                output["traceback"] = [t.replace(repo, ".").replace(home, "~")
+                                       for t in output["traceback"]]
             for kind, value in output.get("data", {}).items():
                 if kind.startswith("text/") and isinstance(value, str):
                     output["data"][kind] = value.replace(repo, ".").replace(home, "~")
@@ -60,7 +62,8 @@ def main():
         nb = execute(path, args.ranks)
         if not args.check:
             nbformat.write(scrub(nb), path)
-        print(f"{path.name}: ran on {args.ranks} ranks in {time.time() - t0:.0f} s" + ("" if args.check else ", saved"))
+        saved = "" if args.check else ", saved"
+        print(f"{path.name}: ran on {args.ranks} ranks in {time.time() - t0:.0f} s{saved}")
 
 
 if __name__ == "__main__":
