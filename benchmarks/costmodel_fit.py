@@ -439,7 +439,8 @@ def forecast(run: Run, hw: Hardware, steps: list[Step], sweep: tuple | None = No
         fitted.append(f"the compute at HFU {hfu:.3f} and a fixed {fixed:.1f} ms a micro-batch, from one node's steps")
     else:
         fitted.append(f"the compute at HFU {hfu:.3f}, from one node's step")
-        assumed.append(f"a fixed cost of {fixed:g} ms a micro-batch. Measure one node at two batch sizes to fit it")
+        cost = f"a fixed cost of {fixed:g} ms" if fixed else "no fixed cost"
+        assumed.append(f"{cost} a micro-batch. Measure one node at two batch sizes to fit it")
     if sweep is not None:
         busbw, hop = fit_sweep(*sweep, hw)
         measured.append(f"NCCL's all-reduce on {sweep[2]} ranks across nodes, {len(sweep[0])} sizes")
@@ -452,8 +453,10 @@ def forecast(run: Run, hw: Hardware, steps: list[Step], sweep: tuple | None = No
         else:
             fitted.append(f"{hop * 1e6:.1f} us a hop between nodes, from the sweep")
     else:
-        assumed.append(f"{hw.alpha_inter * 1e6:g} us a hop between nodes. NCCL's model says 14 on InfiniBand. A "
-                       "sweep across two nodes (--sweep) measures it")
+        whose = "NCCL's own figure for InfiniBand" if hw.alpha_inter == 14e-6 else \
+            "the profile's figure (NCCL's model says 14 on InfiniBand)"
+        assumed.append(f"{hw.alpha_inter * 1e6:g} us a hop between nodes, {whose}. A sweep across two nodes "
+                       "(--sweep) measures it")
     if wide:
         busbw, at_line = fit_network(run, hw, wide[0])
         if busbw is None:
@@ -498,12 +501,12 @@ def forecast_main(args):
     for line in dict.fromkeys(w for r in out["rows"] for w in r["warnings"]):
         print(f"warning: {line}", file=sys.stderr)
     if args.json:
-        print(json.dumps({k: v for k, v in out.items()}))
+        print(json.dumps(out))
         return
     layer, outer = costmodel.layer_params(run.model)
     print(f"{run.model.name} ({(run.model.layers * layer + outer) / 1e9:.2f}B parameters), {run.strategy}, "
-          f"{hw.gpus_per_node} GPUs a node, {run.batch} x {run.seq_len} tokens a micro-batch, {run.grad_accum} "
-          f"micro-batch{'es' * (run.grad_accum > 1)} a step")
+          f"{hw.gpus_per_node} GPU{'s' * (hw.gpus_per_node > 1)} a node, {run.batch} x {run.seq_len} tokens a "
+          f"micro-batch, {run.grad_accum} micro-batch{'es' * (run.grad_accum > 1)} a step")
     for kind in ("measured", "fitted", "assumed"):
         for line in out[kind]:
             print(f"  {kind:<9} {line}")

@@ -550,7 +550,7 @@ def test_fit_writes_a_calibration_that_collective_reads(untimed, request):
     assert res.returncode == 0 and json.loads(res.output)["ms"] > 0, res.output
 
 
-def test_the_docs_page_shows_the_figures_with_their_commands(untimed, request):
+def test_the_docs_page_shows_the_figures_with_their_commands(untimed, request, tmp_path):
     """docs/costmodel.md (README's section on the cost model moved there) shows both figures and their commands;
     both commands run (in one process: matplotlib is imported once)."""
     page = (launch.REPO / "docs" / "costmodel.md").read_text()
@@ -565,6 +565,14 @@ def test_the_docs_page_shows_the_figures_with_their_commands(untimed, request):
                   "--activation-checkpointing", "full", "--grad-accum", 4, "--mfu", 0.5]):
         res = cli("predict", *args)
         assert res.returncode == 0 and all(line in page for line in res.output.strip().splitlines()), res.output
+    # and its forecast of a published run (the first line names the config's path, which differs)
+    config = tmp_path / "gpt2-large-chars.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 36, "n_embd": 1280, "n_head": 20, "vocab_size": 65,
+                                  "n_positions": 128, "tie_word_embeddings": False}))
+    res = cli("forecast", "--model", config, "--hardware", "a100-ib", "--gpus-per-node", 1, "--inter-node-gbps",
+              "200Gbps", "--batch-size", 16, "--seq-len", 128, "--precision", "amp", "--attention", "eager",
+              "--step-ms", "1:224.9", "2:366.5", "--nodes", 1, 2, 4, 8, 16)
+    assert res.returncode == 0 and all(line in page for line in res.output.strip().splitlines()[1:]), res.output
     res, folder = untimed[request.node.name].result()
     assert res.returncode == 0, res.output
     for name in ("costmodel_scaling", "fsdp_timeline"):
