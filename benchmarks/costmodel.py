@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 GB, GIB, MIB = 1e9, 2**30, 2**20
 CHECKPOINTING, ATTENTION = ("none", "selective", "full"), ("flash", "eager")
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
-PRECISIONS = ("bf16", "amp", "fp32")
+PRECISIONS = ("bf16", "bf16-pure", "amp", "fp32")
 OPTIMIZERS = ("adamw", "sgd-momentum", "sgd", "none")
 CONFIG_TYPES = ("gpt2", "llama", "mistral", "qwen2", "gpt_neox")
 
@@ -529,15 +529,17 @@ def memory(strategy: str, params: int, ranks: int, *, param_bytes: float = 2, gr
 
 def optimizer_bytes(optimizer: str, precision: str, grad_word: int) -> tuple[int, int]:
     """(bytes a parameter the optimizer keeps, bytes it reads and writes a parameter a step). AdamW keeps two
-    moments, SGD with momentum one, plain SGD none. With 16-bit weights each also keeps fp32 master weights. A step
-    reads the gradient, reads and writes the fp32 weights and each moment, and writes the 16-bit copy if there is
-    one: 28 bytes for AdamW in bf16 (2 + 8 + 16 + 2), 12 for plain SGD."""
+    moments, SGD with momentum one, plain SGD none. With bf16 weights each also keeps fp32 master weights; in
+    bf16-pure (a model cast to bf16, a plain optimizer) there is no master and the moments are bf16 too. A step reads
+    the gradient, reads and writes the weights and each moment, and writes the 16-bit copy if there is one: 28 bytes
+    for AdamW in bf16 (2 + 8 + 16 + 2), 12 for plain SGD."""
     moments = {"adamw": 2, "sgd-momentum": 1, "sgd": 0, "none": 0}[optimizer]
     if optimizer == "none":
         return 0, 0
+    state = 2 if precision == "bf16-pure" else 4  # a moment's bytes, and the weights' the step updates
     master = 4 if precision == "bf16" else 0  # fp32 master weights beside 16-bit ones
     copy = 2 if precision == "bf16" else 0  # the 16-bit weights written back from the master
-    return 4 * moments + master, grad_word + 2 * 4 + 2 * 4 * moments + copy
+    return state * moments + master, grad_word + 2 * state + 2 * state * moments + copy
 
 
 def activation_bytes(m: Shape, seq: int, batch: int, checkpointing: str = "none", attention: str = "flash",
@@ -592,15 +594,15 @@ def sent_per_step(strategy, params, gpus, gpus_per_node=8, accum=1, word=2, grad
 class Run:
     """One training job. model: a Shape, or a name from MODELS or a config.json path. batch: sequences per GPU per
     micro-batch, grad_accum micro-batches a step. precision: "bf16" (bf16 weights and gradients, fp32 master
-    weights), "amp" (fp32 weights and gradients, autocast: 16-bit activations) or "fp32" (pure fp32, activations
-    too). grad_dtype: "param" (gradients as the weights) or "fp32" (fp32 gradients beside 16-bit weights, as
-    Megatron and DeepSpeed keep them; DDP's buckets are then fp32 too). optimizer: adamw, sgd-momentum, sgd, none.
-    bucket_mb: DDP/ZeRO's bucket cap (None: the fastest); bucket_view: PyTorch DDP's gradient_as_bucket_view.
-    prefetch: FSDP's backward prefetch (BACKWARD_PRE) on. logits: "fp32" when the loss upcasts the logits, "bf16"
-    when it runs on 16-bit ones (pure-bf16 code, such as llm-foundry's PURE mode). dropout: False when every dropout
-    probability is 0, as in most LLM pretraining, so no masks are kept. mfu or hfu: the compute's rate,
-    a fraction of the peak (neither: HFU 0.4, a guess). fixed_ms: time a micro-batch costs whatever its size
-    (kernel launches, the data loader)."""
+    weights), "bf16-pure" (everything bf16, no master weights), "amp" (fp32 weights and gradients under autocast,
+    16-bit activations) or "fp32" (pure fp32, activations too). grad_dtype: "param" (gradients as the weights) or
+    "fp32" (fp32 gradients beside 16-bit weights, as Megatron and DeepSpeed keep them; DDP's buckets are then fp32
+    too). optimizer: adamw, sgd-momentum, sgd, none. bucket_mb: DDP/ZeRO's bucket cap (None: the fastest);
+    bucket_view: PyTorch DDP's gradient_as_bucket_view. prefetch: FSDP's backward prefetch (BACKWARD_PRE) on.
+    logits: "fp32" when the loss upcasts the logits, "bf16" when it runs on 16-bit ones (pure-bf16 code, such as
+    llm-foundry's PURE mode). dropout: False when every dropout probability is 0, as in most LLM pretraining, so
+    no masks are kept. mfu or hfu: the compute's rate, a fraction of the peak (neither: HFU 0.4, a guess).
+    fixed_ms: time a micro-batch costs whatever its size (kernel launches, the data loader)."""
     model: Shape | str
     gpus: int
     strategy: str = "ddp"
@@ -650,7 +652,7 @@ class Run:
     @property
     def words(self) -> tuple[int, int]:
         """(bytes of a parameter, bytes of a gradient) as held and communicated."""
-        param = 2 if self.precision == "bf16" else 4
+        param = 2 if self.precision.startswith("bf16") else 4
         return param, 4 if self.grad_dtype == "fp32" else param
 
 
@@ -1076,8 +1078,8 @@ def add_run_flags(q, gpus=True):
     q.add_argument("--attention", choices=list(ATTENTION), default="flash",
                    help="flash: scores never stored (SDPA's kernels); eager: stored unless recomputed")
     q.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
-                   help="bf16: bf16 weights, fp32 master weights in the optimizer; amp: fp32 weights under "
-                        "autocast; fp32: pure fp32, activations too")
+                   help="bf16: bf16 weights, fp32 master weights in the optimizer; bf16-pure: all bf16, no master; "
+                        "amp: fp32 weights under autocast; fp32: pure fp32, activations too")
     q.add_argument("--grad-dtype", choices=["param", "fp32"], default="param",
                    help="fp32: fp32 gradients beside 16-bit weights, and fp32 buckets (Megatron, DeepSpeed)")
     q.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")

@@ -833,15 +833,19 @@ def test_nccl_latency_grows_with_the_ranks_and_nccl_picks_a_tree_where_it_pays()
 
 def test_memory_of_real_runs_optimizers_precision_and_buckets():
     """The optimizer's state (AdamW 8 bytes a parameter, SGD with momentum 4, plain SGD and none 0) plus fp32
-    master weights under 16-bit ones (4); pure fp32 keeps its activations in fp32 (twice the 16-bit count); fp32
-    gradients beside 16-bit weights (Megatron's and DeepSpeed's) make DDP's bucket copy fp32 too; the loss on
-    16-bit logits holds half of what an upcast one holds."""
+    master weights under bf16 ones (4), none in bf16-pure; pure fp32 keeps its activations in fp32 (twice the
+    16-bit count); fp32 gradients beside 16-bit weights (Megatron's and DeepSpeed's) make DDP's bucket copy fp32
+    too; the loss on 16-bit logits holds half of what an upcast one holds."""
     cm = costmodel()
     job = dict(model="gpt2-xl", gpus=8, batch=4, bucket_view=True)
     p = run(cm, **job)["params"]
     states = {o: run(cm, **job, optimizer=o)["memory_bytes"]["optimizer_state"] / p for o in cm.OPTIMIZERS}
     assert states == {"adamw": 12, "sgd-momentum": 8, "sgd": 4, "none": 0}, states
     assert run(cm, **job, precision="amp", optimizer="sgd")["memory_bytes"]["optimizer_state"] == 0
+    # a model cast to bf16 with a plain optimizer: no master weights, bf16 moments (4 bytes a parameter for SGD)
+    pure = {o: run(cm, **job, precision="bf16-pure", optimizer=o)["memory_bytes"] for o in ("adamw", "sgd")}
+    assert pure["adamw"]["optimizer_state"] == 4 * p and pure["sgd"]["optimizer_state"] == 0
+    assert pure["sgd"]["parameters"] + pure["sgd"]["gradients"] == 4 * p
     # the optimizer's time follows the bytes it moves: 28 a parameter for AdamW, 12 for plain SGD, none for none
     times = {o: run(cm, **job, optimizer=o)["optimizer_ms"] for o in ("adamw", "sgd", "none")}
     assert times["adamw"] == pytest.approx(28 / 12 * times["sgd"]) and times["none"] == 0
