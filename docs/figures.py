@@ -19,6 +19,7 @@ PNG text fields (Title, Description: the axes and the series drawn).
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -189,7 +190,7 @@ def scaling(out, quick):
             series.append(label)
             for ax, hw, key in ((axes[0], "h100-ib", "scaling_efficiency"), (axes[1], "100gbe", "scaling_efficiency"),
                                 (axes[2], "h100-ib", "memory_gib_per_gpu")):
-                rows = [cm.predict(model, n, 8, hw, strategy) for n in gpus]
+                rows = [cm.predict(cm.Run(model, n, strategy), hw) for n in gpus]
                 ys = [r[key] for r in rows]
                 ax.plot(gpus, ys, linestyle=style, color=color, label=label if ax is axes[2] else None)
                 # a filled marker where it fits in 80 GiB, a cross where it does not
@@ -221,12 +222,12 @@ def fsdp(out, quick):
     without it."""
     cm = load("benchmarks/costmodel.py")
     plt = pyplot()
-    shape = dict(cm.model_shape("mpt-13b"), layers=6)
+    shape = dataclasses.replace(cm.model_shape("mpt-13b"), layers=6)
     fig, axes = plt.subplots(2, 1, figsize=(11, 5.6), sharex=True)
     colors = {"forward": "C0", "backward": "C1", "all-gather": "C2", "reduce-scatter": "C3"}
     for ax, prefetch in zip(axes, (False, True)):
         trace = []
-        run = cm.predict(shape, 8, 8, "h100-nvlink", "fsdp", batch=1, seq=2048, mfu=0.4, prefetch=prefetch,
+        run = cm.predict(cm.Run(shape, 8, "fsdp", batch=1, seq=2048, mfu=0.4, prefetch=prefetch), "h100-nvlink",
                          trace=trace)
         for kind, unit, start, end in trace:
             row = 0 if kind in ("forward", "backward") else 1

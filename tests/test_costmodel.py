@@ -1,6 +1,8 @@
-"""benchmarks/costmodel.py: its predictions against what the lessons' code measures here (fitted and measured in
-the same run), against a published table (the ZeRO paper's), and its command line."""
+"""benchmarks/costmodel.py and costmodel_fit.py: the predictions against what the lessons' code measures here
+(fitted and measured in the same run), against published tables and training runs, the forecast from a user's own
+measured steps, and the command line."""
 
+import dataclasses
 import json
 import sys
 
@@ -12,11 +14,25 @@ from conftest import load_script
 KEYS = {"step_ms", "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "exposed_comm_ms",
         "memory_gib_per_gpu", "gpu_mem_gib", "fits", "best_bucket_mb", "utilization", "mfu", "hfu", "achieved_mfu",
         "flops_per_token", "hardware_flops_per_token", "activation_checkpointing", "attention", "grad_accum",
-        "global_batch_tokens", "sent_gb_per_gpu_per_step", "params", "rate_source", "hardware"}
+        "global_batch_tokens", "sent_gb_per_gpu_per_step", "optimizer_ms", "params", "rate_source", "hardware",
+        "warnings"}
 
 
 def costmodel():
     return load_script("benchmarks/costmodel.py")
+
+
+def fitting():
+    return load_script("benchmarks/costmodel_fit.py")
+
+
+HW_FIGURES = {"gpus_per_node", "intra_busbw", "inter_busbw", "memory_gib", "peak_tflops", "hbm_tbps", "alpha_inter"}
+
+
+def run(cm, hardware="h100-ib", hw=None, trace=None, measured=None, **kw):
+    """predict() on a Run of the fields in kw, on a named profile with the figures in hw (or in kw) replaced."""
+    figures = {k: kw.pop(k) for k in list(kw) if k in HW_FIGURES} | (hw or {})
+    return cm.predict(cm.Run(**kw), cm.Hardware.named(hardware, **figures), measured=measured, trace=trace)
 
 
 def cli(*args):
@@ -57,7 +73,7 @@ def test_parameter_counts_match_the_models():
     for name, count in (("gpt2", 124_439_808), ("gpt2-xl", 1_557_611_200), ("llama-7b", 6_738_415_616)):
         m = cm.model_shape(name)
         layer, outer = cm.layer_params(m)
-        assert m["layers"] * layer + outer == count and sum(cm.layer_tensors(m)) == layer, name
+        assert m.layers * layer + outer == count and sum(cm.layer_tensors(m)) == layer, name
 
 
 def test_memory_matches_the_zero_papers_table():
@@ -115,40 +131,40 @@ PUBLISHED = [
     # (1600 Gb/s = 200 GB/s a node), row 7b / 2048 / 128 GPUs: MFU 50.14, HFU 66.85, micro-batch 18, accumulation 1,
     # FULL_SHARD, activation checkpointing, 3623 tokens/s/GPU
     ("llm-foundry MPT-7B, 128 x A100 40GB, MFU", 3623,
-     dict(model="mpt-7b", gpus=128, hardware="a100-ib", inter_node_gbps=200, gpu_mem_gib=40, strategy="fsdp",
-          batch=18, seq=2048, activation_checkpointing="full", mfu=0.5014)),
+     dict(model="mpt-7b", gpus=128, strategy="fsdp", batch=18, seq=2048, activation_checkpointing="full", mfu=0.5014),
+     dict(hardware="a100-ib", hw=dict(inter_busbw=200, memory_gib=40))),
     ("llm-foundry MPT-7B, 128 x A100 40GB, HFU", 3623,
-     dict(model="mpt-7b", gpus=128, hardware="a100-ib", inter_node_gbps=200, gpu_mem_gib=40, strategy="fsdp",
-          batch=18, seq=2048, activation_checkpointing="full", hfu=0.6685)),
+     dict(model="mpt-7b", gpus=128, strategy="fsdp", batch=18, seq=2048, activation_checkpointing="full", hfu=0.6685),
+     dict(hardware="a100-ib", hw=dict(inter_busbw=200, memory_gib=40))),
     # the same README, "H100 80GB BF16", row 30b / 2048 / 8 GPUs: MFU 38.11, HFU 50.82, micro-batch 3,
     # accumulation 21, FULL_SHARD, activation checkpointing, 2002 tokens/s/GPU
     ("llm-foundry MPT-30B, 8 x H100, accumulation 21", 2002,
-     dict(model="mpt-30b", gpus=8, hardware="h100-nvlink", strategy="fsdp", batch=3, grad_accum=21, seq=2048,
-          activation_checkpointing="full", hfu=0.5082)),
+     dict(model="mpt-30b", gpus=8, strategy="fsdp", batch=3, grad_accum=21, seq=2048,
+          activation_checkpointing="full", hfu=0.5082), dict(hardware="h100-nvlink")),
     # the same table, row 13b / 2048 / 8 GPUs: MFU 39.79, micro-batch 2, FULL_SHARD, no checkpointing, 4792
     ("llm-foundry MPT-13B, 8 x H100", 4792,
-     dict(model="mpt-13b", gpus=8, hardware="h100-nvlink", strategy="fsdp", batch=2, seq=2048, mfu=0.3979)),
+     dict(model="mpt-13b", gpus=8, strategy="fsdp", batch=2, seq=2048, mfu=0.3979), dict(hardware="h100-nvlink")),
     # foundation-model-stack/fms-fsdp README (IBM): Llama 2 7B, HSDP, no AC, batch 2, 4096 tokens (its config's
     # seq_length), "A100 80G 128 GPUs with 400Gbps" (50 GB/s a node), 4550 tokens/s/GPU, MFU 0.68
     ("IBM fms-fsdp Llama 2 7B, HSDP, 128 x A100 80GB", 4550,
-     dict(model="llama-7b", gpus=128, hardware="a100-ib", inter_node_gbps=50, strategy="hsdp", batch=2, seq=4096,
-          mfu=0.68)),
+     dict(model="llama-7b", gpus=128, strategy="hsdp", batch=2, seq=4096, mfu=0.68),
+     dict(hardware="a100-ib", hw=dict(inter_busbw=50))),
     # the same README: 70B, FSDP, checkpointing every block (HFU / MFU = 0.74 / 0.55 = 4/3), batch 2, 410
     ("IBM fms-fsdp Llama 2 70B, FSDP, 128 x A100 80GB", 410,
-     dict(model="llama2-70b", gpus=128, hardware="a100-ib", inter_node_gbps=50, strategy="fsdp", batch=2,
-          seq=4096, activation_checkpointing="full", mfu=0.55)),
+     dict(model="llama2-70b", gpus=128, strategy="fsdp", batch=2, seq=4096, activation_checkpointing="full",
+          mfu=0.55), dict(hardware="a100-ib", hw=dict(inter_busbw=50))),
     # pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 3: Llama 3.1 8B, 128 H100 (96 GB HBM2e),
     # 400 Gb/s per GPU (400 GB/s a node), FSDP, local batch 2, 8192 tokens (train_configs/llama3_8b.toml), selective
     # AC, 5,605 TPS/GPU, 67.0 GiB; "33%" MFU stated for it (torchtitan leaves the input embedding out of 6N: 5%)
     ("torchtitan Llama 3.1 8B, 128 x H100 96GB", 5605,
-     dict(model="llama3-8b", gpus=128, hardware="h100-ib", inter_node_gbps=400, gpu_mem_gib=96, strategy="fsdp",
-          batch=2, seq=8192, activation_checkpointing="selective", mfu=0.33)),
+     dict(model="llama3-8b", gpus=128, strategy="fsdp", batch=2, seq=8192, activation_checkpointing="selective",
+          mfu=0.33), dict(hardware="h100-ib", hw=dict(inter_busbw=400, memory_gib=96))),
 ]
 
 
-@pytest.mark.parametrize("name,published,inputs", PUBLISHED, ids=[p[0] for p in PUBLISHED])
-def test_published_runs_are_predicted_within_10_percent_and_fit(name, published, inputs):
-    out = costmodel().predict(**inputs)
+@pytest.mark.parametrize("name,published,inputs,where", PUBLISHED, ids=[p[0] for p in PUBLISHED])
+def test_published_runs_are_predicted_within_10_percent_and_fit(name, published, inputs, where):
+    out = run(costmodel(), **where, **inputs)
     assert out["tokens_per_s_per_gpu"] == pytest.approx(published, rel=0.10), (name, out)
     assert out["fits"], (name, out["memory_gib_per_gpu"])  # it trained on that card
 
@@ -161,15 +177,15 @@ def test_flops_and_parameters_are_counted_as_the_published_tables_count_them():
                                                        ("mpt-30b", 29_975_214_080, 16022, 8, 377)):
         m = cm.model_shape(name)
         layer, outer = cm.layer_params(m)
-        assert m["layers"] * layer + outer == n_params, name
+        assert m.layers * layer + outer == n_params, name
         model_flops, _ = cm.flops_per_token(m, n_params, 2048)
         assert int(tokens_per_s * model_flops / gpus / 1e12) == tflop, name
     # llm-foundry's HFU of a checkpointed run is 4/3 of its MFU: the JSON's implied HFU is the published one
-    out = cm.predict(**PUBLISHED[0][2])
+    out = run(cm, **PUBLISHED[0][3], **PUBLISHED[0][2])
     assert out["utilization"] == "mfu" and out["hfu"] == pytest.approx(0.6685, abs=0.0005)
     assert out["hardware_flops_per_token"] == pytest.approx(4 / 3 * out["flops_per_token"])
     # given as HFU, the same step
-    assert cm.predict(**PUBLISHED[1][2])["step_ms"] == pytest.approx(out["step_ms"], rel=1e-3)
+    assert run(cm, **PUBLISHED[1][3], **PUBLISHED[1][2])["step_ms"] == pytest.approx(out["step_ms"], rel=1e-3)
 
 
 def test_activation_checkpointing_memory_and_recompute():
@@ -193,16 +209,16 @@ def test_activation_checkpointing_memory_and_recompute():
     assert cm.flops_per_token(m, n, s, "selective", "flash")[1] == model  # flash recomputes it anyway, not counted
     # At the same HFU full checkpointing takes 4/3 of the compute; at the same MFU the same time (MFU counts it in)
     kw = dict(model="llama-7b", gpus=8, hardware="h100-nvlink", strategy="fsdp", batch=2)
-    none, full = (cm.predict(**kw, hfu=0.5, activation_checkpointing=c) for c in ("none", "full"))
+    none, full = (run(cm, **kw, hfu=0.5, activation_checkpointing=c) for c in ("none", "full"))
     assert full["step_ms"] == pytest.approx(4 / 3 * none["step_ms"], rel=0.02)
     saved = none["memory_bytes"]["activations"] - full["memory_bytes"]["activations"]
     assert full["memory_bytes"]["activations"] < none["memory_bytes"]["activations"] / 5
     assert (none["memory_gib_per_gpu"] - full["memory_gib_per_gpu"]) * 2**30 == pytest.approx(saved)
     # The published 7B run on 40 GB cards needed its checkpointing: without it, 34 s b h a layer does not fit
-    run = dict(PUBLISHED[0][2])
-    assert cm.predict(**run)["fits"]
-    run["activation_checkpointing"] = "none"
-    assert not cm.predict(**run)["fits"]
+    inputs, where = dict(PUBLISHED[0][2]), PUBLISHED[0][3]
+    assert run(cm, **where, **inputs)["fits"]
+    inputs["activation_checkpointing"] = "none"
+    assert not run(cm, **where, **inputs)["fits"]
 
 
 def saved_for_backward(model, x):
@@ -272,8 +288,6 @@ def test_fsdp_backward_prefetch_issues_the_next_all_gather_before_this_reduce_sc
     cm = costmodel()
 
     class Link:
-        profile = None
-
         def all_gather(self, n, ranks):
             return 0.5
 
@@ -296,9 +310,9 @@ def test_fsdp_backward_prefetch_issues_the_next_all_gather_before_this_reduce_sc
                                 ("reduce-scatter", 0)], backward
     # On a real shape (the issue's 13B on 8 H100s): without prefetch the exposed time stays the same from batch 1 to
     # 32 while compute grows 32x; with it, communication hides once there is compute to hide behind
-    run = dict(model="mpt-13b", gpus=8, hardware="h100-nvlink", strategy="fsdp", seq=2048, mfu=0.3979)
-    old = [cm.predict(**run, batch=b, prefetch=False)["exposed_comm_ms"] for b in (1, 32)]
-    new = [cm.predict(**run, batch=b)["exposed_comm_ms"] for b in (1, 32)]
+    kw = dict(model="mpt-13b", gpus=8, hardware="h100-nvlink", strategy="fsdp", seq=2048, mfu=0.3979)
+    old = [run(cm, **kw, batch=b, prefetch=False)["exposed_comm_ms"] for b in (1, 32)]
+    new = [run(cm, **kw, batch=b)["exposed_comm_ms"] for b in (1, 32)]
     assert old[0] == pytest.approx(old[1], rel=0.01) and new[1] < old[1] / 10 and new[1] < new[0], (old, new)
 
 
@@ -312,19 +326,19 @@ def test_accumulation_pays_off_where_the_strategy_communicates_once_a_step():
     and the all-reduce has one micro-batch's backward to hide behind, not all of it); it wins memory: 32 at once
     does not fit in 80 GiB, 8 x 4 does."""
     cm = costmodel()
-    run = dict(model="gpt2-xl", gpus=64, hardware="100gbe", batch=4)
+    job = dict(model="gpt2-xl", gpus=64, hardware="100gbe", batch=4)
     for strategy in ("ddp", "zero1", "hsdp"):
-        k1, k8 = (cm.predict(**run, strategy=strategy, grad_accum=k) for k in (1, 8))
+        k1, k8 = (run(cm, **job, strategy=strategy, grad_accum=k) for k in (1, 8))
         assert k8["tokens_per_s_per_gpu"] > 2.5 * k1["tokens_per_s_per_gpu"], strategy
-    ddp = {k: cm.predict(**run, strategy="ddp", grad_accum=k, bucket_mb=25) for k in (1, 2, 8)}
-    micro = ddp[1]["step_ms"] - ddp[1]["exposed_comm_ms"] - 1e3 * 1_557_611_200 * 28 / 2e12  # one micro-batch
+    ddp = {k: run(cm, **job, strategy="ddp", grad_accum=k, bucket_mb=25) for k in (1, 2, 8)}
+    micro = ddp[1]["step_ms"] - ddp[1]["exposed_comm_ms"] - ddp[1]["optimizer_ms"]  # one micro-batch
     for k, out in ddp.items():
         assert out["exposed_comm_ms"] == pytest.approx(ddp[1]["exposed_comm_ms"])
         assert out["step_ms"] == pytest.approx(ddp[1]["step_ms"] + (k - 1) * micro)
-    fsdp = [cm.predict(**run, strategy="fsdp", grad_accum=k)["tokens_per_s_per_gpu"] for k in (1, 8)]
+    fsdp = [run(cm, **job, strategy="fsdp", grad_accum=k)["tokens_per_s_per_gpu"] for k in (1, 8)]
     assert fsdp[1] == pytest.approx(fsdp[0], rel=0.01)
     # What each GPU sends a step, per strategy: P = the bf16 parameters' bytes, a ring pass sends 63/64 of them
-    sent = {(s, k): cm.predict(**run, strategy=s, grad_accum=k)["sent_gb_per_gpu_per_step"]
+    sent = {(s, k): run(cm, **job, strategy=s, grad_accum=k)["sent_gb_per_gpu_per_step"]
             for s in ("ddp", "zero1", "zero2", "fsdp", "hsdp") for k in (1, 8)}
     P, ring = 2 * 1_557_611_200 / 1e9, 63 / 64
     assert sent["ddp", 1] == sent["ddp", 8] == pytest.approx(2 * ring * P)  # one all-reduce a step
@@ -336,19 +350,19 @@ def test_accumulation_pays_off_where_the_strategy_communicates_once_a_step():
     # simulates every one), so a million micro-batches take no longer than three
     for strategy in ("fsdp", "hsdp"):
         for hardware in ("100gbe", "h100-ib"):
-            whole, skipped = (cm.predict(**dict(run, hardware=hardware), strategy=strategy, grad_accum=7, trace=trace)
+            whole, skipped = (run(cm, **dict(job, hardware=hardware), strategy=strategy, grad_accum=7, trace=trace)
                               for trace in ([], None))
             assert skipped["step_ms"] == pytest.approx(whole["step_ms"], rel=1e-12), (strategy, hardware)
             assert skipped["exposed_comm_ms"] == pytest.approx(whole["exposed_comm_ms"], rel=1e-9)
-    many = cm.predict(**run, strategy="hsdp", grad_accum=10**6)
+    many = run(cm, **job, strategy="hsdp", grad_accum=10**6)
     assert many["global_batch_tokens"] == 64 * 4 * 1024 * 10**6 and 0 < many["scaling_efficiency"] <= 1
     # ZeRO-2 reduce-scatters every micro-batch, all-gathers once a step: each micro-batch adds the same exposed time
-    zero2 = [cm.predict(**run, strategy="zero2", grad_accum=k, bucket_mb=25)["exposed_comm_ms"] for k in (1, 2, 8)]
+    zero2 = [run(cm, **job, strategy="zero2", grad_accum=k, bucket_mb=25)["exposed_comm_ms"] for k in (1, 2, 8)]
     assert zero2[1] > zero2[0] and zero2[2] - zero2[0] == pytest.approx(7 * (zero2[1] - zero2[0]))
-    # On 8 x 400 Gb/s InfiniBand a node the all-reduce already hides: K changes DDP's tokens/s by the optimizer only
-    fast = [cm.predict(**dict(run, hardware="h100-ib"), strategy="ddp", grad_accum=k) for k in (1, 8)]
-    assert fast[0]["scaling_efficiency"] > 0.99 and fast[1]["scaling_efficiency"] > 0.99
-    once, split = cm.predict(**dict(run, batch=32), strategy="ddp"), cm.predict(**run, strategy="ddp", grad_accum=8)
+    # On 8 x 400 Gb/s InfiniBand a node the all-reduce almost hides: only the last buckets' latency shows
+    fast = [run(cm, **dict(job, hardware="h100-ib"), strategy="ddp", grad_accum=k) for k in (1, 8)]
+    assert fast[0]["scaling_efficiency"] > 0.98 and fast[1]["scaling_efficiency"] > 0.98
+    once, split = run(cm, **dict(job, batch=32), strategy="ddp"), run(cm, **job, strategy="ddp", grad_accum=8)
     assert once["global_batch_tokens"] == split["global_batch_tokens"]
     assert split["tokens_per_s"] <= once["tokens_per_s"] and not once["fits"] and split["fits"]
 
@@ -361,35 +375,38 @@ def test_hsdp_beats_fsdp_across_slow_nodes():
     they are the same thing; across fast nodes FSDP is no slower. HSDP holds what FSDP on 8 GPUs holds."""
     cm = costmodel()
     for gpus in (16, 64, 256):
-        fsdp, hsdp = (cm.predict("llama-7b", gpus, 8, "100gbe", s, batch=2) for s in ("fsdp", "hsdp"))
+        fsdp, hsdp = (run(cm, "100gbe", model="llama-7b", gpus=gpus, strategy=s, batch=2) for s in ("fsdp", "hsdp"))
         nodes = gpus // 8
         ratio, nic_bytes = (hsdp["tokens_per_s_per_gpu"] / fsdp["tokens_per_s_per_gpu"],
                             3 * (gpus - 1) / gpus / (2 * (nodes - 1) / nodes))
         assert 1.3 < ratio <= nic_bytes * 1.01, (gpus, ratio, nic_bytes)
         assert hsdp["memory_gib_per_gpu"] > fsdp["memory_gib_per_gpu"], gpus
-        assert hsdp["memory_gib_per_gpu"] == pytest.approx(cm.predict("llama-7b", 8, 8, "100gbe", "fsdp",
-                                                                      batch=2)["memory_gib_per_gpu"])
-        fast = [cm.predict("llama-7b", gpus, 8, "h100-ib", s, batch=2)["tokens_per_s_per_gpu"] for s in ("fsdp",
-                                                                                                        "hsdp")]
+        assert hsdp["memory_gib_per_gpu"] == pytest.approx(run(cm, "100gbe", model="llama-7b", gpus=8,
+                                                               strategy="fsdp", batch=2)["memory_gib_per_gpu"])
+        fast = [run(cm, model="llama-7b", gpus=gpus, strategy=s, batch=2)["tokens_per_s_per_gpu"]
+                for s in ("fsdp", "hsdp")]
         assert fast[0] >= 0.99 * fast[1], gpus
-    one = [cm.predict("llama-7b", 8, 8, "100gbe", s, batch=2) for s in ("fsdp", "hsdp")]
+    one = [run(cm, "100gbe", model="llama-7b", gpus=8, strategy=s, batch=2) for s in ("fsdp", "hsdp")]
     assert one[0]["step_ms"] == one[1]["step_ms"]
 
 
 def test_the_hardware_a_user_has():
     """The profile's figures are defaults: naming them changes nothing; each one moves what it should."""
     cm = costmodel()
-    run = dict(model="llama-7b", gpus=64, hardware="a100-ib", strategy="fsdp", batch=2, seq=4096)
-    base = cm.predict(**run)
-    assert cm.predict(**run, inter_node_gbps=200, intra_node_gbps=300, gpu_mem_gib=80, peak_tflops=312) == base
-    slow = cm.predict(**run, inter_node_gbps=6.25)  # one 50 Gb/s port a node
+    job = dict(model="llama-7b", gpus=64, hardware="a100-ib", strategy="fsdp", batch=2, seq=4096)
+    base = run(cm, **job)
+    assert run(cm, **job, inter_busbw=200, intra_busbw=300, memory_gib=80, peak_tflops=312) == base
+    slow = run(cm, **job, inter_busbw=6.25)  # one 50 Gb/s port a node
     assert slow["step_ms"] > base["step_ms"] and slow["memory_gib_per_gpu"] == base["memory_gib_per_gpu"]
-    one_node = dict(run, gpus=8)  # nothing crosses nodes: the inter-node figure does not matter, NVLink's does
-    assert cm.predict(**one_node, inter_node_gbps=1)["step_ms"] == cm.predict(**one_node)["step_ms"]
-    assert cm.predict(**one_node, intra_node_gbps=30)["step_ms"] > cm.predict(**one_node)["step_ms"]
-    assert cm.predict(**run, peak_tflops=624)["step_ms"] < base["step_ms"]
-    assert base["fits"] and not cm.predict(**run, gpu_mem_gib=24)["fits"]
-    assert cm.predict(**run, gpu_mem_gib=24)["memory_gib_per_gpu"] == base["memory_gib_per_gpu"]
+    one_node = dict(job, gpus=8)  # nothing crosses nodes: the inter-node figure does not matter, NVLink's does
+    assert run(cm, **one_node, inter_busbw=1)["step_ms"] == run(cm, **one_node)["step_ms"]
+    assert run(cm, **one_node, intra_busbw=30)["step_ms"] > run(cm, **one_node)["step_ms"]
+    assert run(cm, **job, peak_tflops=624)["step_ms"] < base["step_ms"]
+    assert base["fits"] and not run(cm, **job, memory_gib=24)["fits"]
+    assert run(cm, **job, memory_gib=24)["memory_gib_per_gpu"] == base["memory_gib_per_gpu"]
+    # the optimizer step is bound by the GPU's memory bandwidth: twice the bandwidth, half the time
+    ddp = dict(job, strategy="ddp", gpus=8)
+    assert run(cm, **ddp, hbm_tbps=4.078)["optimizer_ms"] == pytest.approx(run(cm, **ddp)["optimizer_ms"] / 2)
 
 
 def test_every_combination_runs_and_keeps_its_invariants():
@@ -400,14 +417,15 @@ def test_every_combination_runs_and_keeps_its_invariants():
                 for attention in ("flash", "eager"):
                     for util in ({}, {"mfu": 0.45}, {"hfu": 0.5}):
                         for k in (1, 3):
-                            out = cm.predict("gpt2", gpus, 8, "a100-ib", strategy, 2, 512, grad_accum=k,
-                                             activation_checkpointing=checkpointing, attention=attention, **util)
+                            out = run(cm, "a100-ib", model="gpt2", gpus=gpus, strategy=strategy, batch=2, seq=512,
+                                      grad_accum=k, activation_checkpointing=checkpointing, attention=attention,
+                                      **util)
                             assert out["tokens_per_s"] == pytest.approx(gpus * k * 2 * 512 / out["step_ms"] * 1e3)
                             assert 0 < out["scaling_efficiency"] <= 1 + 1e-9 and out["exposed_comm_ms"] >= -1e-9
                             assert out["achieved_mfu"] <= out["mfu"] + 1e-9 and out["hfu"] >= out["mfu"] - 1e-12
                             assert out["utilization"] == (next(iter(util)) if util else "hfu")
     with pytest.raises(ValueError):
-        cm.predict("gpt2", 8, mfu=0.4, hfu=0.5)
+        cm.Run("gpt2", 8, mfu=0.4, hfu=0.5)
 
 
 @pytest.mark.parametrize("args", [["predict", "--model", "nope", "--gpus", 8],
@@ -428,6 +446,10 @@ def test_every_combination_runs_and_keeps_its_invariants():
                                   ["collective", "all_reduce", "--bytes", 8, "--ranks", 2],
                                   ["collective", "all_reduce", "--bytes", 8, "--ranks", 2, "--calibration", "no.json"],
                                   ["collective", "ring", "--bytes", 8, "--ranks", 2, "--hardware", "h100-ib"],
+                                  ["predict", "--model", "gpt2", "--gpus", 8, "--no-backward-prefetch"],
+                                  ["forecast", "--model", "gpt2", "--step-ms", "2:300"],
+                                  ["forecast", "--model", "gpt2", "--step-ms", "1:fast"],
+                                  ["forecast", "--model", "gpt2", "--step-ms", "1:100", "--sweep", "no.json"],
                                   ["fit", "--out", "x.json"], ["check"]])  # one rank: nothing to fit or check
 def test_bad_flags_are_one_error_line(args):
     res = cli(*args)
@@ -528,7 +550,7 @@ def test_fit_writes_a_calibration_that_collective_reads(untimed, request):
     assert res.returncode == 0 and json.loads(res.output)["ms"] > 0, res.output
 
 
-def test_the_docs_page_shows_the_figures_with_their_commands(untimed, request):
+def test_the_docs_page_shows_the_figures_with_their_commands(untimed, request, tmp_path):
     """docs/costmodel.md (README's section on the cost model moved there) shows both figures and their commands;
     both commands run (in one process: matplotlib is imported once)."""
     page = (launch.REPO / "docs" / "costmodel.md").read_text()
@@ -543,6 +565,14 @@ def test_the_docs_page_shows_the_figures_with_their_commands(untimed, request):
                   "--activation-checkpointing", "full", "--grad-accum", 4, "--mfu", 0.5]):
         res = cli("predict", *args)
         assert res.returncode == 0 and all(line in page for line in res.output.strip().splitlines()), res.output
+    # and its forecast of a published run (the first line names the config's path, which differs)
+    config = tmp_path / "gpt2-large-chars.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 36, "n_embd": 1280, "n_head": 20, "vocab_size": 65,
+                                  "n_positions": 128, "tie_word_embeddings": False}))
+    res = cli("forecast", "--model", config, "--hardware", "a100-ib", "--gpus-per-node", 1, "--inter-node-gbps",
+              "200Gbps", "--batch-size", 16, "--seq-len", 128, "--precision", "amp", "--attention", "eager",
+              "--step-ms", "1:224.9", "2:366.5", "--nodes", 1, 2, 4, 8, 16)
+    assert res.returncode == 0 and all(line in page for line in res.output.strip().splitlines()[1:]), res.output
     res, folder = untimed[request.node.name].result()
     assert res.returncode == 0, res.output
     for name in ("costmodel_scaling", "fsdp_timeline"):
@@ -580,7 +610,8 @@ CONFIGS = {
 def test_a_config_is_read_by_its_model_type_and_counted_as_hugging_face_builds_it(tmp_path):
     """Each config.json, read by its model_type, gives the parameters of Hugging Face's own model built from it
     (AutoModelForCausalLM on the meta device: no weights, no download), exactly; Pythia-1B's is 1.01B (read as a
-    Llama before issue #53: 1.28B). An unknown or missing model_type is one error line naming it."""
+    Llama before issue #53: 1.28B). An unknown or missing model_type is one error line naming it, and so is a
+    count of zero, a string where a count goes, and a context the config leaves out with no --seq-len."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     cm = costmodel()
@@ -590,13 +621,17 @@ def test_a_config_is_read_by_its_model_type_and_counted_as_hugging_face_builds_i
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
         m = cm.model_shape(str(path))
-        assert cm.predict(str(path), 8)["params"] == sum(p.numel() for p in hf.parameters()), name
+        assert run(cm, model=str(path), gpus=8, seq=128)["params"] == sum(p.numel() for p in hf.parameters()), name
         assert sum(cm.layer_tensors(m)) == cm.layer_params(m)[0], name
     pythia = tmp_path / "pythia-1b.json"
     res = cli("predict", "--model", pythia, "--gpus", 8)
     assert res.returncode == 0 and "(1.01B parameters)" in res.output, res.output
     assert predict("--model", pythia, "--gpus", 8)["params"] == 1_011_781_632
-    for cfg, named in (({"model_type": "bert", "hidden_size": 768}, "'bert'"), ({"n_layer": 2}, "None")):
+    for cfg, named in (({"model_type": "bert", "hidden_size": 768}, "'bert'"), ({"n_layer": 2}, "None"),
+                       (dict(CONFIGS["llama"], num_attention_heads=0), "num_attention_heads is 0"),
+                       (dict(CONFIGS["llama"], hidden_size="256"), "hidden_size is '256'"),
+                       (dict(CONFIGS["gpt2"], n_head=5), "5 heads do not divide a width of 256"),
+                       (CONFIGS["llama"], "no max_position_embeddings, so give --seq-len")):
         path = tmp_path / "other.json"
         path.write_text(json.dumps(cfg))
         res = cli("predict", "--model", path, "--gpus", 8)
@@ -614,19 +649,20 @@ def test_ddp_holds_its_buckets_beside_the_gradients_and_the_zero_papers_baseline
     cm = costmodel()
 
     def shape(d):
-        return dict(kind="gpt2", layers=48, d=d, heads=d // 64, vocab=50257, ctx=1024, ff=4 * d, tied=True)
-    run = dict(gpus=64, hardware="v100-32gb", batch=1, seq=1024, activation_checkpointing="full")
-    small, big = cm.predict(shape(1536), **run), cm.predict(shape(1792), **run)
+        return cm.Shape("gpt2", 48, d, d // 64, 50257, 4 * d, ctx=1024)
+    job = dict(gpus=64, hardware="v100-32gb", batch=1, seq=1024, activation_checkpointing="full")
+    small, big = run(cm, model=shape(1536), **job), run(cm, model=shape(1792), **job)
     assert small["params"] == pytest.approx(1.44e9, rel=0.01) and big["params"] == pytest.approx(1.94e9, rel=0.01)
     assert small["fits"] and not big["fits"], (small["memory_gib_per_gpu"], big["memory_gib_per_gpu"])
-    view = cm.predict(shape(1792), **run, bucket_view=True)
+    view = run(cm, model=shape(1792), **job, bucket_view=True)
     assert view["fits"] and view["memory_gib_per_gpu"] == pytest.approx(29.6, abs=0.05)
     assert (big["memory_gib_per_gpu"] - view["memory_gib_per_gpu"]) * 2**30 == 2 * big["params"]  # bf16 copy
     for strategy, copy in (("ddp", True), ("zero1", True), ("zero2", False), ("fsdp", False)):
-        a, b = (cm.predict(shape(1536), **dict(run, gpus=16), strategy=strategy, bucket_view=v) for v in (False, True))
+        a, b = (run(cm, model=shape(1536), **dict(job, gpus=16), strategy=strategy, bucket_view=v)
+                for v in (False, True))
         assert (a["memory_gib_per_gpu"] > b["memory_gib_per_gpu"]) == copy, strategy
     # PyTorch AMP (fp32 parameters and gradients): 4 + 4 + 8 bytes, and a 4-byte copy (2 more a parameter in all)
-    amp = cm.predict(shape(1536), **run, weights="fp32")
+    amp = run(cm, model=shape(1536), **job, precision="amp")
     assert (amp["memory_gib_per_gpu"] - small["memory_gib_per_gpu"]) * 2**30 == pytest.approx(2 * small["params"])
     assert amp["sent_gb_per_gpu_per_step"] == pytest.approx(2 * small["sent_gb_per_gpu_per_step"])
     # the ZeRO paper's table (model states only) is unchanged by it
@@ -640,14 +676,14 @@ def test_v100_profiles_the_figures_printed_and_network_units():
     network figure in GB/s per node, or as NICs are sold (Gb/s per port, times ports), converted."""
     cm = costmodel()
     for name, mem, per_node in (("v100-16gb", 16, 8), ("v100-32gb", 32, 16)):
-        out = cm.predict("gpt2", 2 * per_node, hardware=name)
+        out = run(cm, name, model="gpt2", gpus=2 * per_node)
         assert out["gpu_mem_gib"] == mem and out["hardware"]["gpus_per_node"] == per_node
         assert out["hardware"]["peak_tflops"] == 125 and out["hardware"]["intra_busbw"] == 150
     res = cli("predict", "--model", "gpt2", "--gpus", 16, "--hardware", "a100-ib", "--inter-node-gbps", "400Gb/s",
               "--gpu-mem-gib", 40)
     assert res.returncode == 0, res.output
     line = next(x for x in res.output.splitlines() if x.strip().startswith("hardware"))
-    assert "a100-ib with your figures" in line and "50 GB/s a node across nodes (yours)" in line, line
+    assert "a100-ib with your figures" in line and "50 GB/s a node between nodes (yours)" in line, line
     assert "40 GiB (yours)" in line and "312 TFLOPS peak" in line and "312 TFLOPS peak (yours)" not in line, line
     assert all(cm.bandwidth(v) == 50 for v in ("50", "50GB/s", "400Gbps", "400 gb/s", "8x50Gb/s", "400Gbit/s"))
     assert cm.bandwidth("8x400Gb/s") == 400 and cm.bandwidth("100Gbps") == 12.5
@@ -677,17 +713,17 @@ def test_the_rate_from_a_measured_run(tmp_path):
     path = tmp_path / "gpu_check.json"
     path.write_text(json.dumps(gpu_check))
     m = cm.read_measurement(str(path))
-    assert m["tokens_per_s"] == 150456.0 and m["gpus"] == 1  # the fastest row with DDP in it, not the ceiling
-    one = cm.predict(**base, gpus=1, measured=m)
+    assert m.tokens_per_s == 150456.0 and m.gpus == 1  # the fastest row with DDP in it, not the ceiling
+    one = run(cm, **base, gpus=1, measured=m)
     assert one["tokens_per_s"] == pytest.approx(150456.0, rel=1e-6)  # it reproduces what it was given
-    wide = cm.predict(**base, gpus=64, measured=m)
+    wide = run(cm, **base, gpus=64, measured=m)
     assert wide["hfu"] == pytest.approx(one["hfu"]) and wide["tokens_per_s_per_gpu"] <= 150456.0 * (1 + 1e-6)
-    assert cm.predict(**base, gpus=1, measured=cm.read_measurement(str(path), "ceiling"))["tokens_per_s"] == \
+    assert run(cm, **base, gpus=1, measured=cm.read_measurement(str(path), "ceiling"))["tokens_per_s"] == \
         pytest.approx(190000.0, rel=1e-6)
     # measured on 8 GPUs where communication shows (a slow link): the rate is the compute's, so 8 GPUs reproduce
     # the measurement and the rate is above the naive tokens/s x FLOPs / peak
-    slow = dict(base, intra_node_gbps=5)
-    eight = cm.predict(**slow, gpus=8, measured=dict(tokens_per_s=8 * 100000.0, gpus=8, name="8 GPUs"))
+    slow = dict(base, intra_busbw=5)
+    eight = run(cm, **slow, gpus=8, measured=cm.Measurement(8 * 100000.0, 8, "8 GPUs"))
     assert eight["tokens_per_s"] == pytest.approx(8e5, rel=1e-6)
     assert eight["hfu"] > 100000.0 * eight["flops_per_token"] / 989e12 * 1.05 and eight["exposed_comm_ms"] > 0
     # the flag form is the same measurement
@@ -695,7 +731,7 @@ def test_the_rate_from_a_measured_run(tmp_path):
     via_json = predict("--model", "gpt2", "--gpus", 64, "--batch-size", 16, "--measured", path)
     assert flag["step_ms"] == pytest.approx(via_json["step_ms"], rel=1e-6) and "150,456" in flag["rate_source"]
     # another model: its MFU, from its own FLOPs (gpu_check's shape) or ddp_step's tflops, carried over
-    other = cm.predict(model="llama-7b", gpus=64, measured=m)
+    other = run(cm, model="llama-7b", gpus=64, measured=m)
     assert other["hfu"] == pytest.approx(150456.0 * (6 * 124439808 + 12 * 12 * 768 * 1024) / 989e12)
     ddp_step = {"world_size": 2, "backend": "nccl", "device": "cuda", "torch": "2.11.0", "parameters": 124475904,
                 "impls": {i: {"tokens_per_s": t, "tflops": t * 0.75e9 / 1e12, "step_ms": 1.0}
@@ -709,16 +745,18 @@ def test_the_rate_from_a_measured_run(tmp_path):
     path4 = tmp_path / "ddp_gpt2.json"
     path4.write_text(json.dumps(dict(ddp_step, parameters=124439808, n_layer=12, n_embd=768, seq_len=1024,
                                      batch_size=16)))
-    assert cm.read_measurement(str(path4))["seq_len"] == 1024  # ddp_step's shape comes along with its rows
+    assert cm.read_measurement(str(path4)).seq_len == 1024  # ddp_step's shape comes along with its rows
     for row, gpus, per_gpu in (("torch", 2, 130000.0), ("none", 1, 150000.0)):
-        out = cm.predict(**base, gpus=gpus, measured=cm.read_measurement(str(path4), row))
+        out = run(cm, **base, gpus=gpus, measured=cm.read_measurement(str(path4), row))
         assert out["tokens_per_s_per_gpu"] == pytest.approx(per_gpu, rel=1e-6), row
     # what cannot be a measurement of a GPU: one error line each
     path3 = tmp_path / "cpu.json"
     path3.write_text(json.dumps(dict(ddp_step, device="cpu")))
-    for bad in (lambda: cm.read_measurement(str(path), "nope"), lambda: cm.predict("gpt2", 64, measured=dict(
-            tokens_per_s=1e12, gpus=1, name="x")), lambda: cm.predict("gpt2", 64, measured=dict(
-            tokens_per_s=1e5, gpus=16, name="x"))):  # an unknown row, faster than the peak, more than a node
+    for bad in (lambda: cm.read_measurement(str(path), "nope"),
+                lambda: run(cm, model="gpt2", gpus=64, measured=cm.Measurement(1e12, 1, "x")),
+                lambda: run(cm, model="gpt2", gpus=64, measured=cm.Measurement(1e5, 16, "x")),
+                lambda: run(cm, model="gpt2", gpus=64, mfu=0.4, measured=m)):
+        # an unknown row, faster than the peak, more than a node, a rate given twice
         with pytest.raises(ValueError):
             bad()
     for args in (["--measured", path3], ["--measured", path, "--mfu", 0.4], ["--measured-row", "x"],
@@ -728,13 +766,13 @@ def test_the_rate_from_a_measured_run(tmp_path):
         assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (args, res.output)
     # without any: a guess, and the range printed is what the default gives on the published runs
     ratios = []
-    for _, published, inputs in PUBLISHED:
-        guess = cm.predict(**{k: v for k, v in inputs.items() if k not in ("mfu", "hfu")})
+    for _, published, inputs, where in PUBLISHED:
+        guess = run(cm, **where, **{k: v for k, v in inputs.items() if k not in ("mfu", "hfu")})
         assert guess["rate_source"] == "default"
         ratios.append(guess["tokens_per_s_per_gpu"] / published)
     assert (round(min(ratios), 2), round(max(ratios), 2)) == cm.DEFAULT_GUESS, ratios
     res = cli("predict", "--model", "gpt2", "--gpus", 8)
-    assert f"is a guess: on the published runs in benchmarks/README.md it predicted {cm.DEFAULT_GUESS[0]:.2f}-" \
+    assert f"is a guess. On the published runs in benchmarks/README.md it gave {cm.DEFAULT_GUESS[0]:.2f}-" \
         f"{cm.DEFAULT_GUESS[1]:.2f}" in res.output, res.output
 
 
@@ -750,18 +788,211 @@ def test_a_published_run_where_communication_is_a_third_of_the_step():
     (+7%: it hides what the run did not). At HDR's line rate (25 GB/s) it would hide the all-reduce behind
     backward: 1.6x. benchmarks/README.md has the case, each figure's place and why."""
     cm = costmodel()
-    m = dict(kind="gpt2", layers=36, d=1280, heads=20, vocab=65, ctx=128, ff=5120, tied=False)
+    m = cm.Shape("gpt2", 36, 1280, 20, 65, 5120, ctx=128, tied=False)
     tokens = 16 * 128
     one_gpu = tokens * 2216 / 498.37
     published = {"node": 2 * tokens * 1108 / 266.83, "2 nodes": 2 * tokens * 1108 / 406.12}
     assert 1 - (498.37 / 2216) / (406.12 / 1108) > 0.30  # the run: communication is over 30% of its step
-    run = dict(hardware="a100-ib", batch=16, seq=128, weights="fp32", attention="eager",
-               measured=dict(tokens_per_s=one_gpu, gpus=1, name="1 GPU, e-15-4-1"))
-    nodes = cm.predict(m, 2, 1, inter_node_gbps=1.416 / 0.12, **run)
-    node = cm.predict(m, 2, 2, intra_node_gbps=100, **run)  # HGX A100 4-GPU: 4 NVLink 3 links a pair, 25 GB/s each
+    job = dict(model=m, gpus=2, hardware="a100-ib", batch=16, seq=128, precision="amp", attention="eager",
+               measured=cm.Measurement(one_gpu, 1, "1 GPU, e-15-4-1"))
+    nodes = run(cm, **job, gpus_per_node=1, inter_busbw=1.416 / 0.12)
+    node = run(cm, **job, gpus_per_node=2, intra_busbw=100)  # HGX A100 4-GPU: 4 NVLink 3 links a pair, 25 GB/s each
     assert cm.layer_params(m)[0] * 36 + cm.layer_params(m)[1] == pytest.approx(708e6, rel=0.002)
     assert nodes["tokens_per_s"] == pytest.approx(published["2 nodes"], rel=0.15), nodes["tokens_per_s"]
     assert node["tokens_per_s"] == pytest.approx(published["node"], rel=0.15), node["tokens_per_s"]
     assert nodes["exposed_comm_ms"] / nodes["step_ms"] > 0.30 and nodes["fits"]
-    line_rate = cm.predict(m, 2, 1, inter_node_gbps=25, **run)
+    line_rate = run(cm, **job, gpus_per_node=1, inter_busbw=25)
     assert line_rate["tokens_per_s"] > 1.5 * published["2 nodes"]  # NCCL got 47% of HDR's line rate there
+
+
+def test_nccl_latency_grows_with_the_ranks_and_nccl_picks_a_tree_where_it_pays():
+    """NCCL's tuning model (src/graph/tuning.cc, Simple protocol): a ring all-reduce pays 2(N-1) hops, 2 x nodes of
+    them across the network, times 1.4 across nodes; a tree pays 2 (g-1) hops of 28 us in a node and 2 log2(nodes)
+    of twice the network hop, at 0.46 of the bus bandwidth. So a large message on two nodes takes the ring, and on
+    16 nodes even 1 GiB takes the tree. Broadcast and point-to-point across nodes pay the network's hop, not NVLink's
+    (issue #60)."""
+    cm = costmodel()
+    hw = cm.Hardware.named("h100-ib")
+    ring = cm.nccl_ring_latency(128, 8, 2, hw)
+    assert ring == pytest.approx(1.4 * (8.4e-6 + (254 - 32) * 3.4e-6 + 32 * 14e-6))
+    assert cm.nccl_ring_latency(8, 8, 2, hw) == pytest.approx(8.4e-6 + 14 * 3.4e-6)
+    assert cm.nccl_ring_latency(128, 8, 1, hw) == pytest.approx(8.4e-6 + (127 - 15) * 3.4e-6 + 15 * 14e-6)
+    latencies = [cm.nccl_ring_latency(8 * n, 8, 2, hw) for n in (2, 4, 8, 16)]
+    assert latencies == sorted(latencies) and latencies[-1] > 5 * latencies[0]  # grows with every rank
+    small, large, two = (cm.nccl_all_reduce(n, r, 8, 400e9, hw) for n, r in ((64 << 10, 128), (1 << 30, 128),
+                                                                             (1 << 30, 16)))
+    assert small[1] == "tree" and large[1] == "tree" and two[1] == "ring", (small, large, two)
+    assert small[0] == pytest.approx(2 * (7 * 28e-6 + 4 * 28e-6) + (64 << 10) / (0.92 * 400e9 * 0.5 * 0.6))
+    link = cm.Link.from_hardware(hw)
+    assert link.all_reduce(64 << 10, 128) == pytest.approx(small[0])
+    for f in (link.broadcast, link.p2p):  # one byte: the latency alone, a network hop across nodes
+        assert f(1, 16) - f(1, 8) > 0.9 * (14e-6 - 3.4e-6), f.__name__
+    slow = cm.Link.from_hardware(cm.Hardware.named("h100-ib", alpha_inter=50e-6))
+    assert slow.all_reduce(1 << 20, 64) > link.all_reduce(1 << 20, 64)
+
+
+def test_memory_of_real_runs_optimizers_precision_and_buckets():
+    """The optimizer's state (AdamW 8 bytes a parameter, SGD with momentum 4, plain SGD and none 0) plus fp32
+    master weights under bf16 ones (4), none in bf16-pure; pure fp32 keeps its activations in fp32 (twice the
+    16-bit count); fp32 gradients beside 16-bit weights (Megatron's and DeepSpeed's) make DDP's bucket copy fp32
+    too; the loss on 16-bit logits holds half of what an upcast one holds."""
+    cm = costmodel()
+    job = dict(model="gpt2-xl", gpus=8, batch=4, bucket_view=True)
+    p = run(cm, **job)["params"]
+    states = {o: run(cm, **job, optimizer=o)["memory_bytes"]["optimizer_state"] / p for o in cm.OPTIMIZERS}
+    assert states == {"adamw": 12, "sgd-momentum": 8, "sgd": 4, "none": 0}, states
+    assert run(cm, **job, precision="amp", optimizer="sgd")["memory_bytes"]["optimizer_state"] == 0
+    # a model cast to bf16 with a plain optimizer: no master weights, bf16 moments (4 bytes a parameter for SGD)
+    pure = {o: run(cm, **job, precision="bf16-pure", optimizer=o)["memory_bytes"] for o in ("adamw", "sgd")}
+    assert pure["adamw"]["optimizer_state"] == 4 * p and pure["sgd"]["optimizer_state"] == 0
+    assert pure["sgd"]["parameters"] + pure["sgd"]["gradients"] == 4 * p
+    # the optimizer's time follows the bytes it moves: 28 a parameter for AdamW, 12 for plain SGD, none for none
+    times = {o: run(cm, **job, optimizer=o)["optimizer_ms"] for o in ("adamw", "sgd", "none")}
+    assert times["adamw"] == pytest.approx(28 / 12 * times["sgd"]) and times["none"] == 0
+    amp, pure = (run(cm, **job, precision=x)["memory_bytes"]["activations"] for x in ("amp", "fp32"))
+    logits = 8 * 1024 * 4 * 50257
+    assert pure - logits == pytest.approx(2 * (amp - logits))
+    fp32_grads = run(cm, **dict(job, bucket_view=False), grad_dtype="fp32")
+    assert fp32_grads["memory_bytes"]["gradients"] == 4 * p and fp32_grads["memory_bytes"]["buckets_and_units"] == 4 * p
+    assert fp32_grads["sent_gb_per_gpu_per_step"] == pytest.approx(2 * run(cm, **job)["sent_gb_per_gpu_per_step"])
+    assert amp - run(cm, **job, precision="amp", logits="bf16")["memory_bytes"]["activations"] == logits / 2
+    # The ZeRO paper (Sec. 1, 3.2): plain data parallelism runs out of memory on 32 GB V100s past 1.4B parameters,
+    # its temporary fused buffer alone 6 GB for 1.5B in fp32. GPT-2 1.5B with fp32 gradients and an fp32 bucket
+    # (Megatron's optimizer) does not fit; with 16-bit gradients and no bucket copy it would
+    zero_paper = dict(model="gpt2-xl", gpus=64, hardware="v100-32gb", batch=1, seq=1024,
+                      activation_checkpointing="full")
+    assert not run(cm, **zero_paper, grad_dtype="fp32")["fits"] and run(cm, **zero_paper, bucket_view=True)["fits"]
+
+
+# llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7), "A100 40GB with 1600 Gbps node-node interconnect
+# (RoCE)" and "H100 80GB BF16", the rows at sequence 2048 of one model at several GPU counts: {GPUs: (MicroBatchSize,
+# GradAccum, Throughput (T/s/GPU))}. FSDP FULL_SHARD; the A100 40GB rows are "bf16 PURE" (16-bit logits), the H100
+# rows amp_bf16; ActivationCheckpointing True for 7b and 13b on A100. MPT shapes from its yamls (d_model, n_heads,
+# n_layers, expansion 4, vocab 50368): their parameters equal the table's NumParams.
+FOUNDRY = [
+    ("a100-40", "mpt-125m", (12, 768, 12), {8: (26, 3, 136334), 16: (26, 1, 130535), 32: (26, 1, 127122),
+                                            64: (26, 1, 125234), 128: (26, 1, 123936)}),
+    ("a100-40", "mpt-350m", (24, 1024, 16), {8: (16, 4, 55995), 16: (18, 1, 55413), 32: (18, 1, 53811),
+                                             64: (18, 1, 52689), 128: (18, 1, 51934)}),
+    ("a100-40", "mpt-760m", (24, 1536, 12), {8: (12, 4, 30173), 16: (12, 1, 29607), 32: (12, 1, 29648),
+                                             64: (12, 1, 29344), 128: (12, 1, 28940)}),
+    ("a100-40", "mpt-1b", (24, 2048, 16), {8: (8, 8, 19271), 16: (8, 1, 19085), 32: (10, 1, 15555),
+                                           64: (10, 1, 19001), 128: (10, 1, 18647)}),
+    ("a100-40", "mpt-3b", (32, 2560, 20), {8: (5, 8, 10065), 16: (5, 1, 9750), 32: (6, 1, 9914), 64: (6, 1, 9736),
+                                           128: (6, 1, 9538)}),
+    ("a100-40", "mpt-7b", (32, 4096, 32), {8: (12, 4, 3679), 16: (16, 1, 3645), 32: (18, 1, 3725),
+                                           64: (18, 1, 3665), 128: (18, 1, 3623)}),
+    ("a100-40", "mpt-13b", (40, 5120, 40), {8: (4, 16, 1668), 16: (10, 1, 1993), 32: (14, 1, 1998),
+                                            64: (16, 1, 1976), 128: (16, 1, 1972)}),
+    ("h100", "mpt-13b", (40, 5120, 40), {8: (2, 1, 4792), 16: (2, 1, 4767), 32: (2, 1, 4811), 64: (2, 1, 4800)}),
+    ("h100", "mpt-1b", (24, 2048, 16), {8: (14, 1, 45455), 16: (20, 1, 46037), 32: (20, 1, 45130),
+                                        64: (20, 1, 44402)}),
+    ("h100", "mpt-760m", (24, 1536, 12), {8: (24, 2, 63147), 16: (24, 1, 68551), 32: (24, 1, 67971)}),
+]
+FOUNDRY_HARDWARE = {"a100-40": ("a100-ib", dict(inter_busbw=200, memory_gib=40, hbm_tbps=1.555)),
+                    "h100": ("h100-ib", {})}
+
+
+def foundry_forecast(cm, fit, where, name, dims, rows):
+    """Fit one and two nodes of a published FSDP table, then predict every row at its own micro-batch:
+    {GPUs: (predicted / published tokens/s a GPU, fits)}."""
+    hardware, figures = FOUNDRY_HARDWARE[where]
+    hw = cm.Hardware.named(hardware, **figures)
+    layers, d, heads = dims
+    shape = cm.Shape("gpt2", layers, d, heads, 50368, 4 * d, ctx=2048, name=name)
+    pure = dict(logits="bf16") if where == "a100-40" else {}  # MPT's config: every dropout 0.0
+    ckpt = "full" if where == "a100-40" and name in ("mpt-7b", "mpt-13b") else "none"
+    (g1, (b1, k1, t1)), (g2, (b2, k2, t2)) = list(rows.items())[:2]
+    base = cm.Run(shape, g1, "fsdp", batch=b1, seq=2048, grad_accum=k1, activation_checkpointing=ckpt, dropout=False,
+                  **pure)
+    hfu, fixed = fit.fit_compute(base, hw, [fit.Step(1, b1 * 2048 * k1 / t1 * 1e3, b1)])
+    base = dataclasses.replace(base, hfu=hfu)
+    two = fit.Step(2, b2 * 2048 * k2 / t2 * 1e3, b2)
+    busbw, _ = fit.fit_network(dataclasses.replace(base, grad_accum=k2), hw, two)
+    fitted = hw if busbw is None else hw.with_figures(mark="fitted", inter_busbw=busbw)
+    out = {}
+    for gpus, (b, k, published) in rows.items():
+        p = cm.predict(dataclasses.replace(base, gpus=gpus, batch=b, grad_accum=k), fitted)
+        out[gpus] = (p["tokens_per_s_per_gpu"] / published, p["fits"])
+    return out
+
+
+@pytest.mark.parametrize("where,name,dims,rows", FOUNDRY, ids=[f"{f[0]} {f[1]}" for f in FOUNDRY])
+def test_fsdp_forecasts_from_one_and_two_nodes_of_published_runs(where, name, dims, rows):
+    """Given each run's 1- and 2-node rows, the 4-16 node forecasts land within 40% (issue #61's bar for FSDP;
+    measured 0.93-1.07 but for one row), and every row fits its card, as every row ran. The exception: llm-foundry's
+    mpt-1b on 32 A100s ran at 15,555 tokens/s a GPU, where 16 and 64 GPUs ran at 19,085 and 19,001 (MFU 45% against
+    55%): the forecast is 1.23x that row."""
+    ratios = foundry_forecast(costmodel(), fitting(), where, name, dims, rows)
+    for gpus, (ratio, fits) in ratios.items():
+        assert fits, (name, gpus)
+        if gpus >= 32:
+            assert 1 / 1.4 < ratio < 1.4, (name, gpus, ratio)
+
+
+def test_ddp_forecast_from_one_and_two_nodes_of_a_published_run():
+    """tomaslaz/scale-ops, "The Impact of GPU Networking" Parts 1 and 2 (_posts/2025-03-14-net_1.md and net_2.md):
+    GPT-2 Large-shaped minGPT (~708M), Lightning DDP, batch 16 x 128, one A100 a node over one HDR port. Epoch 2:
+    498.37 s on 1 GPU (2,216 steps), 406.12 s on 2 nodes (1,108 steps), 251.68 s on 4 nodes (e-15-9-4; 554 steps,
+    the sampler's share). Given the first two, `forecast` puts 4 nodes within 25% (issue #61's bar for DDP:
+    measured +13% in step time), and says what it measured, fitted and assumed."""
+    cm, fit = costmodel(), fitting()
+    m = cm.Shape("gpt2", 36, 1280, 20, 65, 5120, ctx=128, tied=False, name="gpt2-large-chars")
+    hw = cm.Hardware.named("a100-ib", gpus_per_node=1, inter_busbw=25)
+    job = cm.Run(m, 1, batch=16, seq=128, precision="amp", attention="eager")
+    steps = [fit.Step(1, 498.37 / 2216 * 1e3, 16), fit.Step(2, 406.12 / 1108 * 1e3, 16)]
+    out = fit.forecast(job, hw, steps, nodes=(1, 2, 4))
+    four = next(r for r in out["rows"] if r["nodes"] == 4)
+    assert four["step_ms"] == pytest.approx(251.68 / 554 * 1e3, rel=0.25), four
+    assert all(abs(c["error"]) < 1e-3 for c in out["checks"]), out["checks"]  # it reproduces what it was fitted on
+    assert any("from the 2-node step" in f for f in out["fitted"]) and any("hop" in a for a in out["assumed"])
+
+
+def test_forecast_recovers_what_made_the_steps_and_says_what_it_assumed(tmp_path):
+    """Steps made by the model itself, at a hidden rate, fixed cost, bandwidth and latency: forecast finds the rate
+    and the fixed cost from one node at two batch sizes, the bandwidth from two nodes (and the latency too from an
+    all-reduce sweep), and then forecasts 16 nodes as the hidden figures do. Without a step across nodes it says
+    that the inter-node figure is the line rate."""
+    cm, fit = costmodel(), fitting()
+    hidden = cm.Hardware.named("100gbe", inter_busbw=3.3, alpha_inter=60e-6)
+    truth = cm.Run("gpt2-xl", 8, batch=4, hfu=0.35, fixed_ms=20.0, bucket_mb=25)
+
+    def step(nodes, batch):
+        return cm.predict(dataclasses.replace(truth, gpus=8 * nodes, batch=batch), hidden)["step_ms"]
+    steps = [fit.Step(1, step(1, 4), 4), fit.Step(1, step(1, 16), 16), fit.Step(2, step(2, 4), 4)]
+    sizes = [1 << k for k in range(16, 30, 2)]
+    sweep = (sizes, [cm.Link.from_hardware(hidden).all_reduce(n, 16) for n in sizes], 16)
+    given = cm.Run("gpt2-xl", 8, batch=4)
+    out = fit.forecast(given, cm.Hardware.named("100gbe"), steps, sweep)
+    assert out["hfu"] == pytest.approx(0.35, rel=0.01) and out["fixed_ms"] == pytest.approx(20.0, rel=0.02)
+    assert out["inter_busbw"] == pytest.approx(3.3, rel=0.02) and out["alpha_inter"] == pytest.approx(60e-6, rel=0.05)
+    sixteen = next(r for r in out["rows"] if r["nodes"] == 16)
+    assert sixteen["step_ms"] == pytest.approx(step(16, 4), rel=0.02)
+    # the latency that grows with the ranks bends the curve: tokens/s a GPU keep falling from 2 to 16 nodes
+    per_gpu = [r["tokens_per_s_per_gpu"] for r in out["rows"] if r["nodes"] >= 2]
+    assert per_gpu == sorted(per_gpu, reverse=True) and per_gpu[-1] < 0.9 * per_gpu[0], per_gpu
+    # the command line: measured, fitted, assumed; and the line rate said plainly without a step across nodes
+    res = cli("forecast", "--model", "gpt2-xl", "--hardware", "100gbe", "--step-ms", "1:120")
+    assert res.returncode == 0, res.output
+    assert "  measured  one node, 120 ms a step at batch 4" in res.output
+    assert "fitted    the compute at HFU" in res.output
+    assert "12.5 GB/s a node between nodes. That is the line rate, not a measurement." in res.output
+    assert "Real runs often get a fraction of it" in res.output
+    data = {"world_size": 16, "device": "cuda", "rows": [{"bytes": n, "library_ms": t * 1e3}
+                                                         for n, t in zip(sweep[0], sweep[1])]}
+    (tmp_path / "sweep.json").write_text(json.dumps(data))
+    res = cli("forecast", "--model", "gpt2-xl", "--hardware", "100gbe", "--step-ms", "1:120",
+              "--sweep", tmp_path / "sweep.json", "--json")
+    assert res.returncode == 0 and json.loads(res.output)["inter_busbw"] == pytest.approx(3.3, rel=0.02), res.output
+
+
+def test_backward_prefetch_switch_and_absurd_inputs():
+    """--no-backward-prefetch is FSDP's backward_prefetch=None: more communication shows. An input past anything
+    built (a billion GPUs) still predicts, with one warning line that says no cluster is that large."""
+    on, off = (predict("--model", "mpt-13b", "--gpus", 16, "--hardware", "100gbe", "--strategy", "fsdp", *flag)
+               for flag in ((), ("--no-backward-prefetch",)))
+    assert off["exposed_comm_ms"] > on["exposed_comm_ms"] and off["step_ms"] > on["step_ms"]
+    res = cli("predict", "--model", "gpt2", "--gpus", 10**9)
+    warnings = [line for line in res.output.splitlines() if line.startswith("warning: ")]
+    assert res.returncode == 0 and any("no cluster is that large" in w for w in warnings), res.output
+    assert predict("--model", "gpt2", "--gpus", 8)["warnings"] == []
