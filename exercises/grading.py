@@ -822,7 +822,7 @@ EXERCISES = {
     "ring_all_reduce": Exercise(("ring_all_reduce",), 3, check_ring_all_reduce, "03_all_reduce.py", ring_speed),
     "sampler": Exercise(("DistributedSampler",), 1, check_sampler, "04_sampler.py"),
     "ddp_naive": Exercise(("average_gradients",), 2, check_average_gradients, "05_manual_ddp_gpt2.py"),
-    "ddp_overlap": Exercise(("OverlapDDP",), 2, check_overlap, "tests/exercise_solutions/ddp_overlap.py"),
+    "ddp_overlap": Exercise(("OverlapDDP",), 2, check_overlap, "exercises/solutions/ddp_overlap.py"),
     "ddp_buckets": Exercise(("DDPCore",), 2, check_buckets, "05_manual_ddp_gpt2.py"),
     "zero1": Exercise(("ZeroDDP",), 2, check_zero1, "07_zero.py"),
 }
@@ -1270,4 +1270,4 @@ def _bug_reference(model, world, lr, max_norm):
     return dict(model.named_parameters())
 
 
-EXERCISES["find_the_bug"] = Exercise(("train",), 2, check_find_the_bug, "tests/exercise_solutions/find_the_bug.py")
+EXERCISES["find_the_bug"] = Exercise(("train",), 2, check_find_the_bug, "exercises/solutions/find_the_bug.py")

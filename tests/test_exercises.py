@@ -1,7 +1,7 @@
 """exercises/check.py is tested (issue #32): the project's own code passes every rung, the stubs say "not
 implemented", planted mistakes fail with the message that names them, and a deadlock ends in bounded time.
 
-A planted mistake is a small edit of a correct participant's solution (tests/exercise_solutions/NAME.py), written
+A planted mistake is a small edit of a correct participant's solution (exercises/solutions/NAME.py), written
 to a temporary folder. One check.py run per rung grades all of its files (the ranks are forked from one process that
 imported torch once); the module's runs start together, two at a time (one check.py mostly keeps one core busy, and
 a planted hang waits), and each test reads its own.
@@ -14,13 +14,13 @@ import pytest
 
 import launch
 
-SOLUTIONS = launch.REPO / "tests" / "exercise_solutions"
+SOLUTIONS = launch.REPO / "exercises" / "solutions"
 PROJECT = {  # the project's own implementation of each rung
     "tree_broadcast": "02_broadcast.py",
     "ring_all_reduce": "03_all_reduce.py",
     "sampler": "04_sampler.py",
     "ddp_naive": "05_manual_ddp_gpt2.py",
-    "ddp_overlap": "tests/exercise_solutions/ddp_overlap.py",  # no numbered script stops at this rung
+    "ddp_overlap": "exercises/solutions/ddp_overlap.py",  # no numbered script stops at this rung
     "ddp_buckets": "05_manual_ddp_gpt2.py",
     "zero1": "07_zero.py",
 }
@@ -145,7 +145,7 @@ MISTAKES = {
 def plant(name, edits, path):
     text = (SOLUTIONS / f"{name}.py").read_text()
     for old, new in edits:
-        assert old in text, f"the mistake no longer applies to tests/exercise_solutions/{name}.py: {old!r}"
+        assert old in text, f"the mistake no longer applies to exercises/solutions/{name}.py: {old!r}"
         text = text.replace(old, new)
     path.write_text(text)
     return path
