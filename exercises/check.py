@@ -23,8 +23,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-NAMES = ("tree_broadcast", "ring_all_reduce", "sampler", "ddp_naive", "ddp_overlap", "ddp_buckets", "zero1",
-         "find_the_bug")
 GRACE_S = 3  # once one rank is done or stuck, how long the others get to finish or say where they wait
 
 
@@ -85,10 +83,11 @@ def rank_main(name, path, rank, world, port, hang_s, speed, tmp):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     sys.path.insert(0, HERE)
     import grading
+    import harness
     import torch
     torch.set_num_threads(1)  # N ranks share this machine's cores
-    grading.start_watchdog(hang_s, os.path.join(tmp, f"rank{rank}.hang.json"), os.path.join(tmp, "dump"), path)
-    record = grading.run_rank(name, path, rank, world, hang_s, speed)
+    harness.start_watchdog(hang_s, os.path.join(tmp, f"rank{rank}.hang.json"), os.path.join(tmp, "dump"), path)
+    record = harness.run_rank(grading.EXERCISES[name], path, rank, world, hang_s, speed)
     with open(os.path.join(tmp, f"rank{rank}.json.tmp"), "w") as f:
         json.dump(record, f)
     os.replace(os.path.join(tmp, f"rank{rank}.json.tmp"), os.path.join(tmp, f"rank{rank}.json"))
@@ -326,9 +325,9 @@ def read_text(path):
         return ""
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, exercises=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", choices=NAMES, help="the exercise")
+    p.add_argument("name", choices=list(exercises), help="the exercise")
     p.add_argument("--file", action="append", help="grade this file instead of exercises/NAME.py (repeatable)")
     p.add_argument("--solution", action="store_true", help="grade the project's own implementation")
     p.add_argument("--ranks", type=int, default=None, help="processes to start (default: the exercise's)")
@@ -338,7 +337,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.solution and a.file:
         p.error("--solution grades the project's own file: leave out --file")
-    if a.ranks is not None and (a.ranks < 2 or a.name == "sampler"):
+    if a.ranks is not None and (a.ranks < 2 or exercises[a.name].ranks == 1):
         p.error("--ranks must be 2 or more (the sampler runs in one process: it takes num_replicas and rank)")
     if not a.hang_s > 0:
         p.error("--hang-s must be > 0")
@@ -346,9 +345,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
     sys.path.insert(0, HERE)
     import grading  # torch: imported once here, before the ranks are forked
+    args = parse_args(argv, grading.EXERCISES)
     exercise = grading.EXERCISES[args.name]
     if exercise.ranks > 1:
         import torch._dynamo  # noqa: F401  (PyTorch's DDP imports it when first built: 2 s, here, not in every rank)

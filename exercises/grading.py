@@ -1,58 +1,57 @@
-"""The checks behind exercises/check.py, and behind the project's own tests of 02-05 and 07: one code path.
+"""The rungs of the ladder, in order, each with its check. At the end, EXERCISES lists them.
 
-Each check_* function grades one rung of the ladder. It runs on every rank of an initialised gloo process group
-(check_sampler needs none), compares the participant's code with the library it replaces, and raises Failed with
-one sentence naming the first thing wrong (which rank, which case or step, expected against got) and a hint for
-the usual cause. On success it returns lines of information. All ranks agree on every verdict before going on, so
-a failure on one rank never leaves the others waiting.
-
-The counting wrappers (install_counters) stand in for torch.distributed's send, all_reduce, ... to see how a
-solution communicates (how many messages, how many bytes, launched inside backward or after it); the watchdog
-turns a hang into the place where each rank waited.
+Each check_* function grades one rung. It compares the participant's code with the library it replaces. It
+raises Failed with one sentence that names the first thing wrong, and a hint for the usual cause. On success it
+returns lines of information. Each check runs on every rank of a gloo process group (the sampler's needs none).
+The harness around it (harness.py) runs a rank, counts what a solution sends, and catches hangs.
+exercises/check.py, notebooks/ranks.py and the project's own tests of 02-05 and 07 all grade through here.
 """
 
 import contextlib
-import functools
-import importlib.util
+import copy
 import itertools
-import json
 import math
 import os
 import sys
-import threading
 import time
-import traceback
-from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.data
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [p for p in (HERE, os.path.dirname(HERE)) if p not in sys.path]  # harness, lessons
+import harness  # noqa: E402
+from harness import (  # noqa: E402
+    Exercise,
+    Failed,
+    agree,
+    barrier,
+    book,
+    brief,
+    count_ready,
+    differs_from_rank0,
+    dtype_name,
+    first_difference,
+    gather_objects,
+    gather_tensors,
+    hinted,
+    index_of,
+    kind_of,
+    num,
+    recording,
+    uncounted_all_reduce,
+    watching,
+)
+
 import lessons  # noqa: E402
 
-
-class Failed(AssertionError):
-    """A check failed: the message says what, where, and (after "hint:") the usual cause."""
-
-
-# --- the ladder ---
-@dataclass
-class Exercise:
-    names: tuple  # the names the file must define, the first one found is graded
-    ranks: int  # how many processes the checker starts (1: no process group)
-    check: callable
-    reference: str  # the project's own implementation, for check.py --solution
-    speed: callable = None  # information printed after a pass
-
-
-def _problem(what, hint=None):
-    return what + (f"\n  hint: {hint}" if hint else "")
+# notebooks/ranks.py grades in a notebook's own ranks. It reads these four names here too.
+_books, _checker_frame = harness._books, harness._checker_frame
+hang_record, install_counters = harness.hang_record, harness.install_counters
 
 
 # --- rung 1: tree_broadcast (02_broadcast.py) ---
@@ -63,26 +62,26 @@ def check_tree_broadcast(tree_broadcast):
     cases = [(src, dtype, shape) for src in range(world) for dtype in (torch.float32, torch.int64, torch.bfloat16)
              for shape in ((5,), (3 * world + 1,), (), (4, 6))]
     for i, (src, dtype, shape) in enumerate(cases):
-        label = f"case {i + 1} of {len(cases)} (src={src}, {_dtype(dtype)}, shape {tuple(shape)})"
+        label = f"case {i + 1} of {len(cases)} (src={src}, {dtype_name(dtype)}, shape {tuple(shape)})"
         g = torch.Generator().manual_seed(100 * rank + i)
         x = (torch.randn(shape, generator=g) * 100).to(dtype)  # a different tensor on every rank
-        inputs = _gather_tensors(x)  # everyone's input, to say whose tensor a rank ended up with
+        inputs = gather_tensors(x)  # everyone's input, to say whose tensor a rank ended up with
         with recording() as rec, watching(label):
             tree_broadcast(x, src)
-        results = _gather_tensors(x)
+        results = gather_tensors(x)
         problem = None
         if not torch.equal(x, inputs[src]):
             problem = _broadcast_problem(x, inputs, results, src, rank)
         elif rank == src and rec.count("send") > rounds:
-            problem = _problem(
+            problem = hinted(
                 f"the source sent {rec.count('send')} messages to reach {world} ranks: a binomial tree needs only "
                 f"ceil(log2 {world}) = {rounds} rounds, one send each for the source",
                 "in round k, every rank that already holds the data (vrank < 2**k) sends it to vrank + 2**k, so the "
                 "number of holders doubles each round; sending from the source to everyone is a line, not a tree")
         elif rank != src and rec.count("recv") != 1:
-            problem = _problem(f"this rank received {rec.count('recv')} messages: each rank other than the source "
+            problem = hinted(f"this rank received {rec.count('recv')} messages: each rank other than the source "
                                "receives the data exactly once")
-        _agree(problem, label)
+        agree(problem, label)
     return [f"{len(cases)} cases on {world} ranks (every source, 3 dtypes, 4 shapes): equal to dist.broadcast, "
             f"in place, the source sending {rounds} message{'s' * (rounds != 1)} (ceil(log2 {world}) rounds)"]
 
@@ -94,20 +93,20 @@ RELATIVE_TO_SRC = ("the tree must start at src: number the ranks relative to it,
 def _broadcast_problem(x, inputs, results, src, rank):
     owner = next((k for k, t in enumerate(inputs) if torch.equal(x, t)), None)
     if owner is not None and owner != src and all(torch.equal(t, inputs[owner]) for t in results):
-        return _problem(f"every rank holds rank {owner}'s tensor, not the source's (src={src})",
+        return hinted(f"every rank holds rank {owner}'s tensor, not the source's (src={src})",
                         RELATIVE_TO_SRC)
     if owner == rank:
-        return _problem(f"this rank's tensor still holds its own values, not rank {src}'s: nothing was received "
+        return hinted(f"this rank's tensor still holds its own values, not rank {src}'s: nothing was received "
                         "into it",
                         "receive into `tensor` itself (in place): `tensor = tensor.clone()` or a new buffer leaves "
                         "the caller's tensor unchanged; or the tree never reached this rank (vrank = (rank - src) % N; "
                         "in round k, vranks 2**k .. 2**(k+1)-1 receive)")
     if owner is not None:
-        return _problem(f"this rank holds rank {owner}'s tensor, not the source's (src={src})",
+        return hinted(f"this rank holds rank {owner}'s tensor, not the source's (src={src})",
                         RELATIVE_TO_SRC)
-    i = _first_difference(x, inputs[src])
-    return _problem(f"element {i}: expected {_num(inputs[src].reshape(-1)[i])} (rank {src}'s), got "
-                    f"{_num(x.reshape(-1)[i])}")
+    i = first_difference(x, inputs[src])
+    return hinted(f"element {i}: expected {num(inputs[src].reshape(-1)[i])} (rank {src}'s), got "
+                    f"{num(x.reshape(-1)[i])}")
 
 
 # --- rung 2: ring_all_reduce (03_all_reduce.py) ---
@@ -133,7 +132,7 @@ def check_ring_all_reduce(ring_all_reduce):
     cases = list(ring_cases(world))
     traffic = None
     for i, (dtype, shape, transposed, kind) in enumerate(cases):
-        label = (f"case {i + 1} of {len(cases) + 1} ({_dtype(dtype)}, shape {tuple(shape)}"
+        label = (f"case {i + 1} of {len(cases) + 1} ({dtype_name(dtype)}, shape {tuple(shape)}"
                  f"{', transposed' if transposed else ''}, {kind} values)")
         g = torch.Generator().manual_seed(1000 * rank + i)
         if kind == "random":
@@ -144,15 +143,15 @@ def check_ring_all_reduce(ring_all_reduce):
         if transposed:
             x = x.t()  # not contiguous: the result must still land in x itself
         mine, lib = x.clone(), x.clone()
-        _all_reduce(lib)
+        uncounted_all_reduce(lib)
         with recording() as rec, watching(label):
             out = ring_all_reduce(x)
         problem = _ring_problem(out, x, mine, lib, kind, world)
         if problem is None and rec.count("collective"):
-            problem = _problem(f"ring_all_reduce called {', '.join(rec.names('collective'))}: the exercise is to "
+            problem = hinted(f"ring_all_reduce called {', '.join(rec.names('collective'))}: the exercise is to "
                                "build it from point-to-point messages (send/recv, isend/irecv)")
-        _agree(problem, label)
-        _agree(_differs_from_rank0([("the result", x)],
+        agree(problem, label)
+        agree(differs_from_rank0([("the result", x)],
                                    "each chunk must be summed by one rank only (its owner) and then copied to the "
                                    "others, never summed again in another order: the owner's bits must go round"),
                label)
@@ -162,10 +161,10 @@ def check_ring_all_reduce(ring_all_reduce):
     empty = torch.empty(0)
     with watching(label):
         out = ring_all_reduce(empty)
-    _agree(None if out is empty else _problem("an empty tensor must come back as itself (return tensor)"), label)
+    agree(None if out is empty else hinted("an empty tensor must come back as itself (return tensor)"), label)
     sent, nbytes = traffic
     bound = 2 * (world - 1) * math.ceil(nbytes / 4 / world) * 4  # 2(N-1) chunks, the largest one each time
-    _agree(None if sent <= bound else _problem(
+    agree(None if sent <= bound else hinted(
         f"this rank sent {sent:,} bytes to all-reduce {nbytes:,}: {sent / nbytes:.2f}x the tensor, where a ring "
         f"sends 2(N-1)/N = {2 * (world - 1) / world:.2f}x",
         "each step sends one chunk (1/N of the tensor) to the right neighbour, N-1 steps to reduce-scatter and N-1 "
@@ -189,31 +188,31 @@ def _ring_problem(out, x, mine, lib, kind, world):
     if close(got, want):
         if out is x:
             return None
-        return _problem(f"ring_all_reduce returned {_kind_of(out)}, not the tensor it was given: return `tensor` "
+        return hinted(f"ring_all_reduce returned {kind_of(out)}, not the tensor it was given: return `tensor` "
                         "(the sum is in it, in place)")
     if torch.is_tensor(out) and out is not x and out.shape == x.shape and close(out.reshape(-1), want):
-        return _problem("ring_all_reduce returned the sum in a new tensor and left its argument unchanged: the "
+        return hinted("ring_all_reduce returned the sum in a new tensor and left its argument unchanged: the "
                         "contract is in place",
                         "write the sum into `tensor` itself; if you worked on a copy (tensor.contiguous() or "
                         ".flatten() of a non-contiguous tensor make one), copy the result back with tensor.copy_()")
     if torch.equal(got, own):
-        return _problem("the tensor still holds this rank's own input: nothing was written into it",
+        return hinted("the tensor still holds this rank's own input: nothing was written into it",
                         "sum in place; if you worked on a copy (tensor.contiguous() or .flatten() of a "
                         "non-contiguous tensor make one), copy the result back with tensor.copy_()")
     ok = [b is not None and close(got[b[0]:b[1] + 1], want[b[0]:b[1] + 1]) for b in bounds]
     twice = [b is not None and not ok[c] and close(got[b[0]:b[1] + 1], (want + own)[b[0]:b[1] + 1])
              for c, b in enumerate(bounds)]
-    i = _first_difference(got, want, close_enough=kind == "random", tol=RING_TOL.get(got.dtype, 0) * world)
+    i = first_difference(got, want, close_enough=kind == "random", tol=RING_TOL.get(got.dtype, 0) * world)
     c = next(k for k, b in enumerate(bounds) if b is not None and b[0] <= i <= b[1])
     where = (f"chunk {c} of {world} (elements {bounds[c][0]}-{bounds[c][1]} of the flattened tensor, split with "
-             f"tensor_split({world})), element {i}: expected {_num(want[i])}, got {_num(got[i])}")
+             f"tensor_split({world})), element {i}: expected {num(want[i])}, got {num(got[i])}")
     if any(twice):
-        return _problem(f"{where}: that chunk holds the sum plus this rank's own values",
+        return hinted(f"{where}: that chunk holds the sum plus this rank's own values",
                         "in the all-gather, a finished chunk received from the left overwrites yours (copy_), it is "
                         "not added: your own share is already in it")
     nonempty = [k for k, b in enumerate(bounds) if b is not None]
     if sum(ok) == 1 and len(nonempty) > 1:
-        return _problem(f"{where}: only chunk {ok.index(True)} holds the full sum on this rank (the chunk it owns "
+        return hinted(f"{where}: only chunk {ok.index(True)} holds the full sum on this rank (the chunk it owns "
                         "after the reduce-scatter); the other chunks hold partial sums",
                         "the all-gather phase seems missing (or sends unfinished chunks): after the reduce-scatter, "
                         "N-1 more steps pass each finished chunk on, step s sending chunk (r + 1 - s) % N and "
@@ -227,7 +226,7 @@ def _ring_problem(out, x, mine, lib, kind, world):
     elif n % world:
         hint = (f"{n} elements do not split evenly into {world} chunks: chunk sizes differ by one, so a receive "
                 "buffer must have the size of the chunk it receives, not of your own; and " + hint)
-    return _problem(where, hint)
+    return hinted(where, hint)
 
 
 def ring_speed(ring_all_reduce, numel=1 << 20, rounds=5):
@@ -235,19 +234,19 @@ def ring_speed(ring_all_reduce, numel=1 << 20, rounds=5):
     measures every size). busbw = bytes / time * 2(N-1)/N, as nccl-tests define it."""
     world = dist.get_world_size()
     x = torch.zeros(numel)  # sums of zeros stay zero over many calls
-    impls = {"ring": ring_all_reduce, "library": _all_reduce}
+    impls = {"ring": ring_all_reduce, "library": uncounted_all_reduce}
     times = {"ring": [], "library": []}
     for i in range(rounds + 1):  # round 0 warms up and is not timed
         order = ["ring", "library"] if i % 2 else ["library", "ring"]  # the order flips: noise hits both alike
         for name in order:
-            _barrier()
+            barrier()
             t0 = time.perf_counter()
             with watching("the speed measurement"):
                 impls[name](x)
             if i:
                 times[name].append(time.perf_counter() - t0)
     t = torch.tensor([times["ring"], times["library"]], dtype=torch.float64)
-    _all_reduce(t, op=dist.ReduceOp.MAX, group=_book())  # a collective is as slow as its slowest rank
+    uncounted_all_reduce(t, op=dist.ReduceOp.MAX, group=book())  # a collective is as slow as its slowest rank
     ring_s, lib_s = t.median(dim=1).values.tolist()
     bus = numel * 4 * 2 * (world - 1) / world / 1e9
     return [f"speed (information, not graded): {numel * 4 >> 20} MiB float32 on {world} ranks, median of {rounds}: "
@@ -296,21 +295,21 @@ def _sampler_problem(got, want, first, r, n, kw, epoch, length):
     mine, ref = got[r], want[r]
     if mine == ref:
         if length != len(ref):
-            return _problem(f"len() says {length}, but iterating gives {len(ref)} indices",
+            return hinted(f"len() says {length}, but iterating gives {len(ref)} indices",
                             "__len__ must return num_samples, the number of indices this rank yields")
         return None
-    said = f"this rank's indices are {_brief(mine)}, torch's {_brief(ref)}"
+    said = f"this rank's indices are {brief(mine)}, torch's {brief(ref)}"
     if len(mine) != len(ref):
         if drop_last:
-            return _problem(f"{said}: {len(mine)} indices, torch's {len(ref)}",
+            return hinted(f"{said}: {len(mine)} indices, torch's {len(ref)}",
                             f"with drop_last the tail is dropped: every rank gets floor({n} / {replicas}) = "
                             f"{n // replicas} indices")
-        return _problem(f"{said}: {len(mine)} indices where torch gives {len(ref)}: no padding?",
+        return hinted(f"{said}: {len(mine)} indices where torch gives {len(ref)}: no padding?",
                         f"{n} samples do not split evenly over {replicas} ranks: pad the index list by repeating its "
                         f"first indices up to ceil(n / N) * N = {len(ref) * replicas}, so every rank gets the same "
                         "number of batches (a rank with one batch fewer leaves the others waiting in an all-reduce)")
     if epoch > 0 and shuffle and n > 1 and mine == first[r] and ref != first[r]:
-        return _problem(f"{said}: set_epoch({epoch}) changed nothing, the order is epoch 0's",
+        return hinted(f"{said}: set_epoch({epoch}) changed nothing, the order is epoch 0's",
                         "seed the shuffle with seed + epoch (set_epoch stores the epoch), or every epoch replays "
                         "the same order")
     if not shuffle:
@@ -319,13 +318,13 @@ def _sampler_problem(got, want, first, r, n, kw, epoch, length):
                 "contiguous block" if mine[:len(block)] == block else
                 "without shuffle the indices are 0..n-1 (padded by repeating the first ones), and rank r takes "
                 "indices[rank:total_size:num_replicas]")
-        return _problem(said, hint)
+        return hinted(said, hint)
     everyone = [i for g in got for i in g]
     if sorted(everyone) != sorted(i for w in want for i in w):
-        return _problem(f"{said}: across the ranks some samples come twice and others never",
+        return hinted(f"{said}: across the ranks some samples come twice and others never",
                         "every rank must shuffle with the same permutation (a generator seeded with seed + epoch, "
                         "the same on every rank, not with the rank) and then take its own every-N-th slice")
-    return _problem(f"{said}: over all {replicas} ranks together, your samplers yield the same samples as torch's "
+    return hinted(f"{said}: over all {replicas} ranks together, your samplers yield the same samples as torch's "
                     "(each exactly as often), but in another order: the permutation differs",
                     "shuffle as torch does: g = torch.Generator(); g.manual_seed(seed + epoch); "
                     "indices = torch.randperm(n, generator=g).tolist()")
@@ -437,16 +436,16 @@ class _Run:
         problem = None
         for name, got, want, own in zip(self.names, grads, ref_grads, local):
             if want is None:  # a frozen parameter: no gradient under DDP either
-                problem = None if got is None else _problem(f"{name} is frozen (requires_grad=False) but its .grad "
+                problem = None if got is None else hinted(f"{name} is frozen (requires_grad=False) but its .grad "
                                                             "was set", "leave frozen parameters alone, as DDP does")
             elif got is None:
-                problem = _problem(f"{name}.grad is None", "every parameter must hold its averaged gradient")
+                problem = hinted(f"{name}.grad is None", "every parameter must hold its averaged gradient")
             elif not self._equal(got, want):
                 problem = _grad_problem(name, got, want, own, self.world, self.hooks, self.temporaries)
             if problem:
                 break
-        _agree(problem, label)
-        _agree(_differs_from_rank0([(f"{n}.grad", g) for n, g in zip(self.names, grads) if g is not None],
+        agree(problem, label)
+        agree(differs_from_rank0([(f"{n}.grad", g) for n, g in zip(self.names, grads) if g is not None],
                                    "the gradients must be the same on every rank after averaging"), label)
 
     def step_and_compare(self, label):
@@ -459,11 +458,11 @@ class _Run:
         problem = None
         for name, got, want in zip(self.names, tensors, refs):
             if not self._equal(got, want):
-                i = _first_difference(got, want)
-                problem = _problem(f"{what}: {name}[{_index(got, i)}] is {_num(got.reshape(-1)[i])}, {theirs} "
-                                   f"{_num(want.reshape(-1)[i])}", hint)
+                i = first_difference(got, want)
+                problem = hinted(f"{what}: {name}[{index_of(got, i)}] is {num(got.reshape(-1)[i])}, {theirs} "
+                                   f"{num(want.reshape(-1)[i])}", hint)
                 break
-        _agree(problem, label)
+        agree(problem, label)
 
     def _equal(self, a, b):
         return torch.equal(a, b) if self.exact else torch.allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -479,27 +478,27 @@ def _grad_problem(name, got, want, own, world, hooks, temporaries=0):
         return torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
     if torch.equal(got, own) and temporaries:
-        return _problem(f"{name}.grad is this rank's own gradient, not the mean over ranks: your all-reduces summed "
+        return hinted(f"{name}.grad is this rank's own gradient, not the mean over ranks: your all-reduces summed "
                         f"temporary tensors ({temporaries} of them), never .grad itself",
                         "an expression such as p.grad / world is a new tensor: dist.all_reduce sums it in place, "
                         "then it is thrown away. All-reduce p.grad itself, then divide it (p.grad /= world)")
     if torch.equal(got, own):
-        return _problem(f"{name}.grad is this rank's own gradient, not the mean over ranks: it was not all-reduced",
+        return hinted(f"{name}.grad is this rank's own gradient, not the mean over ranks: it was not all-reduced",
                         "every parameter's gradient must be all-reduced, biases too: "
                         + ("a hook on every parameter that requires a gradient, and a bucket for each" if hooks else
                            "loop over all of model.parameters() (those with requires_grad), not only the weights"))
     if close(got, want * world):
-        return _problem(f"{name}.grad is {world}x DDP's: the gradients were summed, not averaged",
+        return hinted(f"{name}.grad is {world}x DDP's: the gradients were summed, not averaged",
                         f"divide by the world size: multiply by 1/N (N = {world}), as DDP does")
     if close(got, want / world):
-        return _problem(f"{name}.grad is 1/{world} of DDP's: divided by N twice")
+        return hinted(f"{name}.grad is 1/{world} of DDP's: divided by N twice")
     if close(got, own / world):
-        return _problem(f"{name}.grad is this rank's own gradient divided by N: the all-reduced values never "
+        return hinted(f"{name}.grad is this rank's own gradient divided by N: the all-reduced values never "
                         "reached .grad",
                         "wait for each all-reduce before reading .grad, and reduce .grad itself (or copy the result "
                         "back), not a temporary copy")
-    i = _first_difference(got, want)
-    return _problem(f"{name}.grad[{_index(got, i)}] is {_num(got.reshape(-1)[i])}, DDP's {_num(want.reshape(-1)[i])}")
+    i = first_difference(got, want)
+    return hinted(f"{name}.grad[{index_of(got, i)}] is {num(got.reshape(-1)[i])}, DDP's {num(want.reshape(-1)[i])}")
 
 
 def check_average_gradients(average_gradients):
@@ -517,7 +516,7 @@ def check_average_gradients(average_gradients):
             average_gradients(run.mine, world)
         grads = {p.grad.data_ptr(): f"{n}.grad" for n, p in run.mine.named_parameters() if p.grad is not None}
         raced = [grads.get(c.tensor.data_ptr(), "a tensor") for c in rec.calls_of("all_reduce") if c.raced]
-        _agree(_problem(f"{raced[0]} was changed (divided?) while its asynchronous all-reduce was still "
+        agree(hinted(f"{raced[0]} was changed (divided?) while its asynchronous all-reduce was still "
                         "running: a race, whose result changes from run to run",
                         "wait for the all-reduce before touching the tensor: work = dist.all_reduce(p.grad, "
                         "async_op=True), then work.wait(), then p.grad /= world") if raced else None, label)
@@ -537,7 +536,7 @@ def check_overlap(wrapper_class):
     finish_gradient_synchronization()."""
     rank, world = dist.get_rank(), dist.get_world_size()
     base = tiny_net(rank)  # replicas differ: the wrapper must broadcast rank 0's
-    ready = _count_ready(base)
+    ready = count_ready(base)
     with recording(), watching("the constructor"):
         model = wrapper_class(base)
     run = _Run(base, seed=rank)
@@ -554,7 +553,7 @@ def check_overlap(wrapper_class):
             rec.phase = "finish_gradient_synchronization()"
             model.finish_gradient_synchronization()
         launches = rec.calls_of("all_reduce")
-        _agree(_overlap_problem(launches, n, per_parameter=True), label)
+        agree(_overlap_problem(launches, n, per_parameter=True), label)
         run.reference_backward(step)
         run.compare_grads(label)
         run.step_and_compare(label)
@@ -564,32 +563,32 @@ def check_overlap(wrapper_class):
 
 def _overlap_problem(launches, n, per_parameter, overlap=True):
     if not launches:
-        return _problem("no dist.all_reduce was called during the step",
+        return hinted("no dist.all_reduce was called during the step",
                         "launch the gradients' all-reduces from hooks (p.register_post_accumulate_grad_hook)")
     inside = [c for c in launches if c.phase == "backward"]
     if not inside:
-        return _problem(f"all {len(launches)} all-reduces were launched after backward (in {launches[0].phase}): "
+        return hinted(f"all {len(launches)} all-reduces were launched after backward (in {launches[0].phase}): "
                         "nothing overlaps backward",
                         "launch each all-reduce from a hook as its gradient becomes ready "
                         "(p.register_post_accumulate_grad_hook), with async_op=True, and only wait at the end")
     blocking = [c for c in inside if not c.async_op]
     if blocking:
-        return _problem(f"{len(blocking)} of the all-reduces inside backward were blocking (async_op=False): "
+        return hinted(f"{len(blocking)} of the all-reduces inside backward were blocking (async_op=False): "
                         "backward stops at each one until it completes",
                         "launch with async_op=True, keep the Work it returns, and wait for all of them at the end")
     if per_parameter and len(launches) != n:
-        return _problem(f"{len(launches)} all-reduces for {n} parameters: this rung sends one per parameter, "
+        return hinted(f"{len(launches)} all-reduces for {n} parameters: this rung sends one per parameter, "
                         "each from its own parameter's hook")
     late = [c for c in launches if c.phase != "backward"]
     if late:
-        return _problem(f"{len(late)} of {len(launches)} all-reduces were launched after backward")
+        return hinted(f"{len(late)} of {len(launches)} all-reduces were launched after backward")
     if overlap and min(c.ready for c in inside) >= n:
-        return _problem(f"the first all-reduce was launched only once all {n} gradients were ready: nothing "
+        return hinted(f"the first all-reduce was launched only once all {n} gradients were ready: nothing "
                         "overlapped backward",
                         "launch from the gradient hooks as soon as what you send is complete, not at the end")
     unwaited = [c for c in launches if c.work is not None and not c.work.waited]
     if unwaited:
-        return _problem(f"{len(unwaited)} of {len(launches)} all-reduces were never waited for before the "
+        return hinted(f"{len(unwaited)} of {len(launches)} all-reduces were never waited for before the "
                         "gradients were used",
                         "call .wait() on every Work before backward's results are read (in "
                         "finish_gradient_synchronization(), or a callback at the end of backward)")
@@ -609,7 +608,7 @@ def check_buckets(wrapper_class):
 def _grade_buckets(wrapper_class, net, steps, accumulate):
     rank, world = dist.get_rank(), dist.get_world_size()
     base = tiny_net(rank, net)
-    ready = _count_ready(base)
+    ready = count_ready(base)
     model_label = "" if net is TinyNet else f", {net.__name__} (gradients arrive in another order than the buckets)"
     with recording(), watching("the constructor" + model_label):
         model = wrapper_class(base, bucket_cap_mb=BUCKET_CAP_MB)
@@ -642,7 +641,7 @@ def _grade_buckets(wrapper_class, net, steps, accumulate):
             if problem is not None:
                 continue
             if not synced and launches:
-                problem = _problem(f"{len(launches)} all-reduces were launched during a backward inside no_sync()",
+                problem = hinted(f"{len(launches)} all-reduces were launched during a backward inside no_sync()",
                                    "inside no_sync() gradients accumulate locally, with no communication at all; "
                                    "the next backward outside it averages the sum")
             elif synced:
@@ -661,10 +660,10 @@ def _grade_buckets(wrapper_class, net, steps, accumulate):
         run.reference_backward(step, micros)
         if problem is None and step not in (0, accumulate):
             problem = _undivided(launches, used, run)
-        _agree(problem, label)
+        agree(problem, label)
         # Launch orders that differ between ranks pair different buckets in one all-reduce: say so before the
         # gradients' comparison would only report a wrong number.
-        _agree(_orders_differ([c.numel for c in launches], sizes), label)
+        agree(_orders_differ([c.numel for c in launches], sizes), label)
         run.compare_grads(label)
         run.step_and_compare(label)
     return [run.info(f"start, gradients and weights over {steps} SGD steps (one with no_sync) on {world} ranks:"),
@@ -674,7 +673,7 @@ def _grade_buckets(wrapper_class, net, steps, accumulate):
 
 
 def _completion_order(layout, ready):
-    """The buckets in the order their last gradient arrived in this backward (from _count_ready's record)."""
+    """The buckets in the order their last gradient arrived in this backward (from count_ready's record)."""
     arrival = {name: k for k, name in enumerate(ready[1])}
     done = [max((arrival.get(n, math.inf) for n in names), default=math.inf) for names in layout]
     return sorted(range(len(layout)), key=lambda k: done[k])
@@ -698,7 +697,7 @@ def _bucket_problem(launches, sizes, layout, arrived, first, overlap=True):
         if sorted(got) == sorted(sizes):
             order = [sizes.index(n) for n in got]
             if order == arrived:
-                return _problem(
+                return hinted(
                     f"buckets launched in the order their gradients arrived, not in bucket order: the all-reduces "
                     f"carried buckets {order} ({got} elements); DDP's order is {list(range(len(sizes)))} "
                     f"({described}). On this model the gradients arrive in another order than the buckets, so each "
@@ -708,12 +707,12 @@ def _bucket_problem(launches, sizes, layout, arrived, first, overlap=True):
                     "launch strictly in bucket order: when a bucket is complete, launch it only if every bucket "
                     "before it has been launched, then the complete ones after it (keep the index of the next "
                     "bucket to launch); a bucket that waits for an early-used parameter holds back the ones after it")
-            return _problem(f"buckets launched out of order: the all-reduces carried buckets {order} ({got} "
+            return hinted(f"buckets launched out of order: the all-reduces carried buckets {order} ({got} "
                             f"elements), in this order; DDP's bucket order is {list(range(len(sizes)))} "
                             f"({described})",
                             "launch strictly in bucket order (bucket 0 holds the last registered parameters, whose "
                             "gradients usually come first): " + PAIRED_BY_ORDER.format(a=order[0], b=0))
-        return _problem(f"the all-reduces carried {got} elements; DDP's buckets hold {sizes} ({described})",
+        return hinted(f"the all-reduces carried {got} elements; DDP's buckets hold {sizes} ({described})",
                         "walk the parameters that require a gradient in reverse order (gradients usually arrive back "
                         "to front) and close a bucket once it holds bucket_cap_mb MiB or more; one all-reduce per "
                         "bucket")
@@ -722,12 +721,12 @@ def _bucket_problem(launches, sizes, layout, arrived, first, overlap=True):
 
 def _orders_differ(got, sizes):
     """A problem when the ranks launched their buckets in different orders (or different ones)."""
-    orders = _gather_objects(got)
+    orders = gather_objects(got)
     if all(o == orders[0] for o in orders):
         return None
     words = "; ".join(f"rank {k}: {o}" for k, o in enumerate(orders))
     k = next(i for i in range(max(map(len, orders))) if len({tuple(o[i:i + 1]) for o in orders}) > 1)
-    return _problem(f"the ranks launched different all-reduces ({words} elements, in launch order): all-reduce "
+    return hinted(f"the ranks launched different all-reduces ({words} elements, in launch order): all-reduce "
                     f"number {k + 1} of one rank was paired with a different bucket on another",
                     "every rank must launch the same buckets in the same order, the bucket order, whatever order its "
                     "gradients arrive in")
@@ -739,7 +738,7 @@ def _undivided(launches, layout, run):
     for k, (call, names) in enumerate(zip(launches, layout)):
         total = sum(own[n].double().abs().sum().item() for n in names)
         if total and call.abs_sum > 0.75 * total:
-            return _problem(f"bucket {k} went out undivided (its all-reduce carried this rank's gradients, not 1/N "
+            return hinted(f"bucket {k} went out undivided (its all-reduce carried this rank's gradients, not 1/N "
                             "of them)",
                             "multiply each bucket by 1/N before its all-reduce, as DDP does: a sum of N fp16 "
                             "gradients can overflow where their mean would not")
@@ -783,21 +782,21 @@ def check_zero1(zero_class):
             if not run._equal(p.detach(), q.detach()):
                 problem = _zero_problem(name, p.detach(), q.detach(), old, world)
                 break
-        _agree(problem, label)
+        agree(problem, label)
         mine = max(CountingSGD.stepped, default=0)
-        shares = _gather_objects(mine)
+        shares = gather_objects(mine)
         problem = None
         if mine >= total:
-            problem = _problem(f"this rank's optimizer stepped all {total} elements: ZeRO-1 steps only this rank's "
+            problem = hinted(f"this rank's optimizer stepped all {total} elements: ZeRO-1 steps only this rank's "
                                f"shard, about {total // world}",
                                "give the optimizer only this rank's 1/N of the parameters (07 cuts each flat bucket "
                                "into N equal shards); every rank's state is then 1/N of the whole")
         elif sum(shares) != total:
-            problem = _problem(f"the ranks' optimizers stepped {shares} elements, {sum(shares)} in all, for {total} "
+            problem = hinted(f"the ranks' optimizers stepped {shares} elements, {sum(shares)} in all, for {total} "
                                "parameters: the shards must cover every element exactly once")
-        _agree(problem, label)
+        agree(problem, label)
     return [run.info(f"start and weights over {STEPS} steps of SGD with momentum on {world} ranks:"),
-            f"each rank's optimizer steps {_gather_objects(max(CountingSGD.stepped, default=0))} of {total} "
+            f"each rank's optimizer steps {gather_objects(max(CountingSGD.stepped, default=0))} of {total} "
             "elements: state for its shard only"]
 
 
@@ -805,418 +804,18 @@ def _zero_problem(name, got, want, old, world):
     stale = (got == old) & (want != old)
     if stale.any():
         i = int(stale.reshape(-1).nonzero()[0])
-        return _problem(f"{name}: {int(stale.sum())} of {got.numel()} elements (the first at [{_index(got, i)}]) kept "
+        return hinted(f"{name}: {int(stale.sum())} of {got.numel()} elements (the first at [{index_of(got, i)}]) kept "
                         "their old values where DDP's changed",
                         "after stepping its own shard, each rank must all-gather the updated shards, so every rank "
                         "ends with every parameter (and every element must belong to some rank's shard)")
     if torch.allclose(got - old, (want - old) * world, rtol=1e-4, atol=1e-7):
-        return _problem(f"{name}: the update is {world}x DDP's: the gradients were summed, not averaged",
+        return hinted(f"{name}: the update is {world}x DDP's: the gradients were summed, not averaged",
                         f"divide by the world size (N = {world}) before stepping")
-    i = _first_difference(got, want)
-    return _problem(f"weights after the step: {name}[{_index(got, i)}] is {_num(got.reshape(-1)[i])}, DDP's "
-                    f"{_num(want.reshape(-1)[i])}")
+    i = first_difference(got, want)
+    return hinted(f"weights after the step: {name}[{index_of(got, i)}] is {num(got.reshape(-1)[i])}, DDP's "
+                    f"{num(want.reshape(-1)[i])}")
 
 
-EXERCISES = {
-    "tree_broadcast": Exercise(("tree_broadcast",), 4, check_tree_broadcast, "02_broadcast.py"),
-    "ring_all_reduce": Exercise(("ring_all_reduce",), 3, check_ring_all_reduce, "03_all_reduce.py", ring_speed),
-    "sampler": Exercise(("DistributedSampler",), 1, check_sampler, "04_sampler.py"),
-    "ddp_naive": Exercise(("average_gradients",), 2, check_average_gradients, "05_manual_ddp_gpt2.py"),
-    "ddp_overlap": Exercise(("OverlapDDP",), 2, check_overlap, "exercises/solutions/ddp_overlap.py"),
-    "ddp_buckets": Exercise(("DDPCore",), 2, check_buckets, "05_manual_ddp_gpt2.py"),
-    "zero1": Exercise(("ZeroDDP",), 2, check_zero1, "07_zero.py"),
-}
-
-
-# --- one rank of the checker: join the group, load the file, grade it, say how it went ---
-def run_rank(name, path, rank, world, hang_s, speed=True):
-    """Grade `path` as exercise `name` on this rank; return a record for check.py (a dict, JSON-ready)."""
-    exercise, obj = EXERCISES[name], None
-    try:
-        if world > 1:
-            with watching("the start of the process group"):
-                dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=hang_s + 30))
-        install_counters()  # before the file is loaded, so `from torch.distributed import send` is counted too
-        with watching("the import of your file"):
-            obj = load(path, exercise.names)
-        info = exercise.check(obj)
-        if speed and exercise.speed:
-            info += exercise.speed(obj)
-        return {"status": "pass", "info": info}
-    except Failed as e:
-        return {"status": "fail", "message": str(e)}
-    except Exception as e:
-        frames = traceback.extract_tb(e.__traceback__)
-        frame = _frame_in(frames, path)
-        if isinstance(e, NotImplementedError) and frame is not None and frame is frames[-1]:
-            return {"status": "not_implemented", "where": _describe(frame), "name": getattr(obj, "__name__", None)}
-        where = _describe(frame)
-        if isinstance(e, SyntaxError):  # the file does not even compile: it has no frame of its own
-            where = {"file": os.path.basename(e.filename or path), "line": e.lineno, "function": None,
-                     "code": (e.text or "").strip()}
-        return {"status": "error", "time": time.time(), "message": f"{type(e).__name__}: {e}".strip(),
-                "where": where, "checker": None if where else _checker_frame(frames),
-                "label": _watchdog.label if _watchdog else None}
-
-
-def load(path, names):
-    """Import the participant's file (its folder on sys.path, so it may import its neighbours); return the first
-    of `names` it defines."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    spec = importlib.util.spec_from_file_location("participant_" + os.path.basename(path).split(".")[0], path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    for name in names:
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise Failed(f"{path} defines no {names[0]}: the checker grades that name (keep the stub's signature)")
-
-
-def _frame_in(frames, path):
-    mine = [f for f in frames if os.path.abspath(f.filename) == os.path.abspath(path)]
-    return mine[-1] if mine else None
-
-
-def _describe(frame):
-    if frame is None:
-        return None
-    return {"file": os.path.basename(frame.filename), "line": frame.lineno, "function": frame.name,
-            "code": (frame.line or "").strip()}
-
-
-def _checker_frame(frames):
-    ours = [f for f in frames if not f.filename.startswith(os.path.dirname(torch.__file__))]
-    return _describe(ours[-1]) if ours else None
-
-
-# --- agreement across ranks: every rank learns the first failure and raises it together ---
-_books = {}
-
-
-def _book():
-    """A process group of our own for the verdicts, apart from the one the participant's messages use."""
-    key = id(dist.group.WORLD)  # a new default group (the next init) needs a new one
-    if key not in _books:
-        _books[key] = dist.new_group(backend="gloo")
-    return _books[key]
-
-
-def _agree(problem, label):
-    """Raise Failed on every rank if `problem` (a message or None) is set on any, naming the lowest such rank."""
-    if not dist.is_initialized():
-        if problem:
-            raise Failed(f"{label}: {problem}")
-        return
-    flag = torch.tensor([0 if problem is None else 1])
-    _all_reduce(flag, op=dist.ReduceOp.MAX, group=_book())
-    if flag.item():
-        problems = _gather_objects(problem)
-        r = next(k for k, p in enumerate(problems) if p)
-        raise Failed(f"rank {r}, {label}: {problems[r]}")
-
-
-def _gather_objects(obj):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=_book())
-    return out
-
-
-def _gather_tensors(x):
-    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    _all_gather(out, x.contiguous(), group=_book())
-    return out
-
-
-def _barrier():
-    _all_reduce(torch.zeros(1), group=_book())
-
-
-def _differs_from_rank0(named, hint):
-    """A problem if any of the named tensors differs from rank 0's copy, bit for bit."""
-    for name, t in named:
-        ref = t.detach().contiguous().clone()
-        _broadcast(ref, src=0, group=_book())
-        if not torch.equal(ref, t.detach()):
-            i = _first_difference(t.detach(), ref)
-            return _problem(f"{name} differs from rank 0's at [{_index(t, i)}]: rank 0 has "
-                            f"{_num(ref.reshape(-1)[i])}, this rank {_num(t.detach().reshape(-1)[i])}", hint)
-    return None
-
-
-# --- counting what a solution sends: wrappers around torch.distributed's functions ---
-_all_reduce, _broadcast, _all_gather = dist.all_reduce, dist.broadcast, dist.all_gather  # the checker's own
-KINDS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "all_reduce": "collective",
-         "broadcast": "collective", "all_gather_into_tensor": "collective", "all_gather_single": "collective",
-         "reduce_scatter_tensor": "collective", "reduce_scatter_single": "collective", "all_gather": "collective"}
-
-
-@dataclass
-class Call:
-    op: str
-    numel: int
-    nbytes: int
-    async_op: bool
-    phase: str
-    ready: int  # gradients ready when it was launched (see _count_ready)
-    abs_sum: float  # all_reduce: sum of |x| at launch (was the bucket multiplied by 1/N before?)
-    peer: int = None  # send/recv: the rank it sends to or receives from (None: a recv from any source)
-    work: object = None
-    tensor: object = None  # all_reduce: the tensor reduced in place, and its version counter at launch: an
-    version: int = 0  # in-place change before wait() (p.grad /= world) races with the reduction
-    raced: bool = False  # changed in place while in flight
-
-    def describe(self):
-        """What this rank is doing, in words: 'sending 5 elements to rank 2'."""
-        if KINDS[self.op] == "send":
-            return f"sending {self.numel} elements to rank {self.peer}"
-        if KINDS[self.op] == "recv":
-            return f"receiving {self.numel} elements from " + ("any rank" if self.peer is None else f"rank {self.peer}")
-        return f"in dist.{self.op} of {self.numel} elements"
-
-
-class _Tracked:
-    """A Work returned to the participant, noting whether anyone waited for it (and, for a hang report, which
-    call the rank is waiting for)."""
-
-    def __init__(self, work, call, recorder):
-        self._work, self.waited, self._call, self._recorder = work, False, call, recorder
-
-    def wait(self, *args, **kwargs):
-        self.waited = True
-        call = self._call
-        if call.tensor is not None and call.tensor._version != call.version:
-            call.raced = True
-        self._recorder.waiting = call
-        try:
-            result = self._work.wait(*args, **kwargs)
-        except BaseException:
-            self._recorder.failed = call
-            raise
-        finally:
-            self._recorder.waiting = None
-        return result
-
-    def get_future(self):
-        self.waited = True  # whoever takes the future waits through it
-        return self._work.get_future()
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-class _Recorder:
-    def __init__(self, ready=None):
-        self.calls, self.phase, self.ready, self.inside = [], "forward", ready, False
-        self.waiting = None  # the call whose blocking function, or whose Work's wait(), the rank is in
-        self.failed = None  # the call whose blocking function, or wait(), raised (a timeout: where the rank waited)
-
-    def count(self, kind):
-        return sum(1 for c in self.calls if KINDS[c.op] == kind)
-
-    def bytes(self, kind):
-        return sum(c.nbytes for c in self.calls if KINDS[c.op] == kind)
-
-    def names(self, kind):
-        return sorted({f"dist.{c.op}" for c in self.calls if KINDS[c.op] == kind})
-
-    def calls_of(self, op):
-        return [c for c in self.calls if c.op == op]
-
-
-_recorder = _last = None  # the recording now, the latest one (a hang report's: what this rank issued)
-
-
-@contextlib.contextmanager
-def recording(ready=None):
-    """Record the calls into torch.distributed made inside; `ready`, from _count_ready, counts gradients."""
-    global _recorder, _last
-    _recorder = _last = _Recorder(ready)
-    if ready is not None:
-        ready[0] = 0
-        ready[1].clear()
-    try:
-        yield _recorder
-    finally:
-        _recorder = None
-
-
-def _count_ready(module):
-    """Hooks, registered before the participant's, counting the gradients autograd has produced so far."""
-    ready = [0, []]  # how many so far, their names in arrival order
-    names = {p: n for n, p in module.named_parameters()}
-
-    def hook(p):
-        ready[0] += 1
-        ready[1].append(names[p])
-
-    for p in module.parameters():
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(hook)
-    return ready
-
-
-def _counted(op, fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        rec = _recorder
-        if rec is None or rec.inside:  # torch's send calls isend: count the outer call only
-            return fn(*args, **kwargs)
-        t = args[0] if args else next((v for v in kwargs.values() if torch.is_tensor(v)), None)
-        if isinstance(t, list):  # all_gather's list of outputs: count its input instead
-            t = args[1] if len(args) > 1 else kwargs.get("tensor")
-        if not torch.is_tensor(t):
-            t = torch.empty(0)
-        call = Call(op, t.numel(), t.numel() * t.element_size(),
-                    async_op=bool(kwargs.get("async_op", op in ("isend", "irecv"))), phase=rec.phase,
-                    ready=rec.ready[0] if rec.ready else 0,
-                    abs_sum=t.detach().double().abs().sum().item() if op == "all_reduce" else 0.0,
-                    peer=_peer(op, args, kwargs))
-        if op == "all_reduce":
-            call.tensor, call.version = t, t._version
-        rec.calls.append(call)
-        rec.inside, rec.waiting = True, call
-        try:
-            work = fn(*args, **kwargs)
-        except BaseException:
-            rec.failed = call
-            raise
-        finally:
-            rec.inside, rec.waiting = False, None
-        if (op == "all_reduce" or KINDS[op] in ("send", "recv")) and work is not None:
-            work = call.work = _Tracked(work, call, rec)
-        return work
-    wrapper.counted = True
-    return wrapper
-
-
-def _peer(op, args, kwargs):
-    """The rank a send goes to or a recv comes from (batch_isend_irecv passes group_dst / group_src: on the
-    default group, the same numbers)."""
-    if KINDS[op] not in ("send", "recv"):
-        return None
-    key = "dst" if KINDS[op] == "send" else "src"
-    peer = args[1] if len(args) > 1 else kwargs.get(key, kwargs.get(f"group_{key}"))
-    return peer if isinstance(peer, int) else None
-
-
-def install_counters():
-    """Replace torch.distributed's point-to-point and collective functions with counting ones (once; they count
-    only inside recording()). Both namespaces: batch_isend_irecv checks `op is isend` in distributed_c10d."""
-    for op in KINDS:
-        fn = getattr(dist, op, None)
-        if fn is None or getattr(fn, "counted", False):
-            continue
-        wrapped = _counted(op, fn)
-        setattr(dist, op, wrapped)
-        if getattr(c10d, op, None) is fn:
-            setattr(c10d, op, wrapped)
-
-
-# --- the watchdog: a hang becomes the place where each rank waits ---
-_watchdog = None
-
-
-def watching(label):
-    return _watchdog.watch(label) if _watchdog else contextlib.nullcontext()
-
-
-class Watchdog:
-    """A thread that, when the main thread has spent more than hang_s seconds in one watched call (or when check.py
-    asks, by creating `request`), writes where the main thread is to `out`: the innermost line of `participant`."""
-
-    def __init__(self, hang_s, out, request, participant):
-        self.hang_s, self.out, self.request, self.participant = hang_s, out, request, os.path.abspath(participant)
-        self.label, self.since, self.main = None, None, threading.main_thread().ident
-        threading.Thread(target=self._run, daemon=True).start()
-
-    @contextlib.contextmanager
-    def watch(self, label):
-        self.label, self.since = label, time.monotonic()
-        try:
-            yield
-        finally:
-            self.since = None
-
-    def _run(self):
-        while True:
-            time.sleep(0.05)
-            since = self.since
-            if os.path.exists(self.request) or (since is not None and time.monotonic() - since > self.hang_s):
-                self._dump(since)
-                return
-
-    def _dump(self, since):
-        frame = sys._current_frames().get(self.main)
-        stack = traceback.extract_stack(frame) if frame is not None else []
-        mine = _frame_in(stack, self.participant)
-        ours = [f for f in stack if f.filename == __file__]
-        record = hang_record(_describe(mine), _describe(ours[-1]) if ours else None)
-        record.update(label=self.label if since is not None else None,
-                      waited_s=None if since is None else round(time.monotonic() - since, 1))
-        tmp = self.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, self.out)
-
-
-def hang_record(where, checker):
-    """Where this rank waits (`where`: the participant's line, from _describe; `checker`: the checker's, when the
-    participant's code had returned) and for what: the call it is in, or whose timeout it raised, and the
-    collectives it issued in the latest recording. check.py's diagnosis reads one per rank."""
-    rec = _recorder or _last
-    call = rec and (rec.waiting or rec.failed)
-    return {"status": "hang", "where": where, "checker": checker,
-            "call": call and {"op": call.op, "kind": KINDS[call.op], "peer": call.peer, "numel": call.numel,
-                              "text": call.describe()},
-            # ranks that issued different collectives (another order, one fewer) wait for each other forever
-            "collectives": [[c.op, c.numel] for c in rec.calls if KINDS[c.op] == "collective"] if rec else []}
-
-
-def start_watchdog(hang_s, out, request, participant):
-    global _watchdog
-    _watchdog = Watchdog(hang_s, out, request, participant)
-
-
-# --- small helpers for messages ---
-def _dtype(dtype):
-    return str(dtype).replace("torch.", "")
-
-
-def _num(x):
-    v = x.item() if torch.is_tensor(x) else x
-    return f"{v:.6g}" if isinstance(v, float) else str(v)
-
-
-def _kind_of(obj):
-    return "None" if obj is None else f"a {type(obj).__name__}"
-
-
-def _index(t, i):
-    """Flat index i as an index into t's shape."""
-    if t.dim() <= 1:
-        return str(i)
-    idx = []
-    for size in reversed(t.shape):
-        idx.append(i % size)
-        i //= size
-    return ", ".join(map(str, reversed(idx)))
-
-
-def _first_difference(a, b, close_enough=False, tol=0.0):
-    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
-    if close_enough:
-        differs = ~torch.isclose(a.double(), b.double(), rtol=tol, atol=tol)
-    else:
-        differs = a != b
-    hits = differs.nonzero()
-    return int(hits[0]) if len(hits) else 0
-
-
-def _brief(indices, shown=12):
-    return str(indices) if len(indices) <= shown else str(indices[:shown])[:-1] + f", ... ({len(indices)} in all)]"
 
 
 # --- rung 8: find the bug (09_debugging.py) ---
@@ -1236,23 +835,22 @@ def check_find_the_bug(train):
         debug_tools.check_replicas(model)
         problem = None
     except RuntimeError as e:
-        problem = _problem(f"after train(), {e}",
+        problem = hinted(f"after train(), {e}",
                            "look for a step only some ranks take (code under `if rank == 0`) and for state no "
                            "gradient average touches (BatchNorm's running statistics are buffers: average them "
                            "over the ranks, or broadcast rank 0's)")
-    _agree(problem, "the replicas")
+    agree(problem, "the replicas")
     for name, p in model.named_parameters():
         if problem is None and not torch.allclose(p, want[name], rtol=1e-4, atol=1e-6):
-            problem = _problem(f"{name} is not what SGD on the averaged, clipped gradient gives (identical on every "
+            problem = hinted(f"{name} is not what SGD on the averaged, clipped gradient gives (identical on every "
                                "rank, but wrong)", "average every gradient, clip the average on every rank, step")
-    _agree(problem, "the parameters")
+    agree(problem, "the parameters")
     return [f"6 steps on {world} ranks: every parameter and buffer identical on every rank (check_replicas), the "
             "parameters those of SGD on the averaged, clipped gradient"]
 
 
 def _bug_reference(model, world, lr, max_norm):
     """The parameters train() must reach: every rank's batches in one process, their mean gradient clipped."""
-    import copy
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     gens = [torch.Generator().manual_seed(r) for r in range(world)]
@@ -1270,4 +868,14 @@ def _bug_reference(model, world, lr, max_norm):
     return dict(model.named_parameters())
 
 
-EXERCISES["find_the_bug"] = Exercise(("train",), 2, check_find_the_bug, "exercises/solutions/find_the_bug.py")
+# --- the ladder: every rung, in order; check.py and the notebooks read it here ---
+EXERCISES = {
+    "tree_broadcast": Exercise(("tree_broadcast",), 4, check_tree_broadcast, "02_broadcast.py"),
+    "ring_all_reduce": Exercise(("ring_all_reduce",), 3, check_ring_all_reduce, "03_all_reduce.py", ring_speed),
+    "sampler": Exercise(("DistributedSampler",), 1, check_sampler, "04_sampler.py"),
+    "ddp_naive": Exercise(("average_gradients",), 2, check_average_gradients, "05_manual_ddp_gpt2.py"),
+    "ddp_overlap": Exercise(("OverlapDDP",), 2, check_overlap, "exercises/solutions/ddp_overlap.py"),
+    "ddp_buckets": Exercise(("DDPCore",), 2, check_buckets, "05_manual_ddp_gpt2.py"),
+    "zero1": Exercise(("ZeroDDP",), 2, check_zero1, "07_zero.py"),
+    "find_the_bug": Exercise(("train",), 2, check_find_the_bug, "exercises/solutions/find_the_bug.py"),
+}
