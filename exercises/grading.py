@@ -9,6 +9,7 @@ exercises/check.py, notebooks/ranks.py and the project's own tests of 02-05 and 
 
 import contextlib
 import copy
+import functools
 import itertools
 import math
 import os
@@ -338,8 +339,11 @@ class TinyNet(nn.Module):
         super().__init__()
         self.fc1, self.fc2, self.fc3 = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 4)
 
-    def forward(self, x):
-        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+    def forward(self, x, skip_fc2=False):
+        h = torch.tanh(self.fc1(x))
+        if not skip_fc2:  # rung 4 leaves fc2 out on one rank, in one step: fc2 gets no gradient there
+            h = torch.tanh(self.fc2(h))
+        return self.fc3(h)
 
 
 BUCKET_CAP_MB = 512 / 2**20  # 512 bytes: one bucket per layer of TinyNet (fc3, then fc2, then fc1)
@@ -409,7 +413,7 @@ class _Run:
         self.hooks = True  # the rung syncs from gradient hooks (rung 4 syncs after backward)
         self.temporaries = 0  # rung 4: all-reduces of tensors that are neither a .grad nor a parameter
 
-    def reference_backward(self, step, micros=1):
+    def reference_backward(self, step, micros=1, **forward_kwargs):
         """DDP's gradients (accumulated over `micros` micro-batches, the first ones under no_sync) and this rank's
         own gradients of the same weights and data."""
         self.local.load_state_dict(self.ref.module.state_dict())
@@ -419,8 +423,8 @@ class _Run:
             x, y = batch(step, self.rank, m)
             quiet = self.ref.no_sync() if m < micros - 1 else contextlib.nullcontext()
             with quiet:
-                F.mse_loss(self.ref(x), y).backward()
-            F.mse_loss(self.local(x), y).backward()
+                F.mse_loss(self.ref(x, **forward_kwargs), y).backward()
+            F.mse_loss(self.local(x, **forward_kwargs), y).backward()
 
     def compare_start(self, what):
         """After construction: the participant's replicas must be rank 0's, as DDP's are."""
@@ -432,7 +436,7 @@ class _Run:
     def compare_grads(self, label):
         grads = [p.grad for p in self.mine.parameters()]
         ref_grads = [p.grad for p in self.ref.module.parameters()]
-        local = [p.grad for p in self.local.parameters()]
+        local = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.local.parameters()]
         problem = None
         for name, got, want, own in zip(self.names, grads, ref_grads, local):
             if want is None:  # a frozen parameter: no gradient under DDP either
@@ -502,33 +506,72 @@ def _grad_problem(name, got, want, own, world, hooks, temporaries=0):
 
 
 def check_average_gradients(average_gradients):
-    """Rung 4, the naive one: after backward, average_gradients(model, world) leaves DDP's gradients in .grad."""
+    """Rung 4, the naive one: after backward, average_gradients(model, world) leaves DDP's gradients in .grad.
+
+    In the last step fc2 is not used on rank 1, so it has no gradient there. The ranks compare each all-reduce
+    before it runs: an answer that skips the missing gradient fails in one line, never a hang."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    run = _Run(tiny_net(0), seed=0)  # one seed everywhere: this rung has no wrapper to broadcast
+    # One seed everywhere: this rung has no wrapper to broadcast. DDP finds the unused fc2, as it must here.
+    run = _Run(tiny_net(0), seed=0, find_unused_parameters=True)
     run.hooks = False
     for step in range(STEPS):
-        label = f"step {step + 1} of {STEPS}"
+        uneven = step == STEPS - 1
+        label = f"step {step + 1} of {STEPS}" + (" (fc2 unused on rank 1)" if uneven else "")
         x, y = batch(step, rank)
         run.opt.zero_grad()
-        F.mse_loss(run.mine(x), y).backward()
+        F.mse_loss(run.mine(x, skip_fc2=uneven and rank == 1), y).backward()
         before = [p.detach().clone() for p in run.mine.parameters()]
-        with recording() as rec, watching(label):
+        missing = gather_objects([n for n, p in run.mine.named_parameters() if p.grad is None])
+        out_of_step = functools.partial(_out_of_step, label=label, missing=missing)
+        with recording(lockstep=out_of_step, name_of=_grad_names(run.mine)) as rec, watching(label):
             average_gradients(run.mine, world)
-        grads = {p.grad.data_ptr(): f"{n}.grad" for n, p in run.mine.named_parameters() if p.grad is not None}
-        raced = [grads.get(c.tensor.data_ptr(), "a tensor") for c in rec.calls_of("all_reduce") if c.raced]
-        agree(hinted(f"{raced[0]} was changed (divided?) while its asynchronous all-reduce was still "
-                        "running: a race, whose result changes from run to run",
-                        "wait for the all-reduce before touching the tensor: work = dist.all_reduce(p.grad, "
-                        "async_op=True), then work.wait(), then p.grad /= world") if raced else None, label)
-        ours = set(grads) | {p.data_ptr() for p in run.mine.parameters()}
+            rec.in_step()  # returned: the others must have returned too, after as many all-reduces
+        agree(_raced(rec.calls_of("all_reduce"), _grad_names(run.mine),
+                     "wait for the all-reduce before you touch its tensor. Write work = "
+                     "dist.all_reduce(p.grad, async_op=True), then work.wait(), then p.grad /= world"), label)
+        grads = {p.grad.data_ptr() for p in run.mine.parameters() if p.grad is not None}
+        ours = grads | {p.data_ptr() for p in run.mine.parameters()}
         run.temporaries = sum(c.tensor.data_ptr() not in ours for c in rec.calls_of("all_reduce"))
         run.compare(label, [p.detach() for p in run.mine.parameters()], before,
                     "average_gradients changed the weights", "before the call",
-                    hint="average_gradients must only change .grad (all-reduce p.grad, not p or p.data)")
-        run.reference_backward(step)
+                    hint="average_gradients must change .grad only. All-reduce p.grad, not p or p.data")
+        run.reference_backward(step, skip_fc2=uneven and rank == 1)
         run.compare_grads(label)
         run.step_and_compare(label)
-    return [run.info(f"gradients and weights over {STEPS} SGD steps on {world} ranks:")]
+    return [run.info(f"gradients and weights over {STEPS} SGD steps on {world} ranks:"),
+            "in the last step fc2 had no gradient on rank 1, and every rank still joined every all-reduce"]
+
+
+def _grad_names(module):
+    """A function that names a tensor after the parameter whose .grad it is now ("fc2.weight.grad")."""
+    def name_of(t):
+        return next((f"{n}.grad" for n, p in module.named_parameters()
+                     if p.grad is not None and p.grad.data_ptr() == t.data_ptr()), "a temporary tensor")
+    return name_of
+
+
+def _out_of_step(said, label, missing):
+    """The words for ranks whose all-reduces no longer pair up (harness.Recorder.in_step)."""
+    k = said[0][0]
+    doing = [f"rank {r} has returned" if op is None else f"rank {r} all-reduces {what} ({n} elements)"
+             for r, (_, op, n, what) in enumerate(said)]
+    gaps = [f"{', '.join(names)} had no gradient on rank {r}" for r, names in enumerate(missing) if names]
+    return hinted(f"{label}: the ranks' all-reduces no longer pair up. At all-reduce {k}, "
+                  + ", but ".join(doing) + "." + (f" In this step {'; '.join(gaps)}." if gaps else ""),
+                  "every rank must join every all-reduce, in the same order, because the ranks pair them by "
+                  "their order. A parameter without a gradient on one rank joins there with zeros. Write "
+                  "`if p.grad is None: p.grad = torch.zeros_like(p)` before its all-reduce")
+
+
+def _raced(launches, name_of, hint):
+    """A problem when a tensor changed in place while its asynchronous all-reduce still ran.
+
+    `name_of(tensor)` names the tensor in the message."""
+    raced = [c for c in launches if c.raced]
+    if not raced:
+        return None
+    return hinted(f"{name_of(raced[0].tensor)} changed (divided?) while its asynchronous all-reduce still ran. That is "
+                  "a race, and its result changes from run to run", hint)
 
 
 def check_overlap(wrapper_class):
@@ -553,7 +596,10 @@ def check_overlap(wrapper_class):
             rec.phase = "finish_gradient_synchronization()"
             model.finish_gradient_synchronization()
         launches = rec.calls_of("all_reduce")
-        agree(_overlap_problem(launches, n, per_parameter=True), label)
+        agree(_overlap_problem(launches, n, per_parameter=True)
+              or _raced(launches, _grad_names(base), "divide before the launch, as DDP does, or after "
+                        "wait(), never between the two. Write p.grad.div_(world), then launch its all-reduce"),
+              label)
         run.reference_backward(step)
         run.compare_grads(label)
         run.step_and_compare(label)
@@ -657,6 +703,9 @@ def _grade_buckets(wrapper_class, net, steps, accumulate):
                     used = layout
                     problem = _bucket_problem(launches, sizes, layout, arrived, first=step == 0,
                                               overlap=net is TinyNet)
+                problem = problem or _raced(
+                    launches, _launch_names(launches), "multiply the bucket by 1/N before you launch its "
+                    "all-reduce, as DDP does. Between the launch and wait(), leave the bucket alone")
         run.reference_backward(step, micros)
         if problem is None and step not in (0, accumulate):
             problem = _undivided(launches, used, run)
@@ -670,6 +719,11 @@ def _grade_buckets(wrapper_class, net, steps, accumulate):
             f"{len(sizes)} buckets of {sizes} elements (bucket_cap_mb={BUCKET_CAP_MB * 2**20:g} bytes), launched "
             "asynchronously inside backward in bucket order, each multiplied by 1/N before the sum; nothing sent "
             "inside no_sync()"]
+
+
+def _launch_names(launches):
+    """A function that names an all-reduced tensor after its place in the launch order ("bucket 1")."""
+    return lambda t: next(f"bucket {k}" for k, c in enumerate(launches) if c.tensor is t)
 
 
 def _completion_order(layout, ready):
@@ -771,10 +825,12 @@ def check_zero1(zero_class):
         x, y = batch(step, rank)
         before = [p.detach().clone() for p in base.parameters()]
         CountingSGD.stepped = []
-        with recording(), watching(label):
+        with recording() as rec, watching(label):
             F.mse_loss(model(x), y).backward()
             model.step()
             model.zero_grad()
+        agree(_raced(rec.calls_of("all_reduce"), lambda t: "the tensor of an all-reduce",
+                     "scale the gradients before you launch their all-reduce, or after wait()"), label)
         run.reference_backward(step)
         run.ref_opt.step()
         problem = None

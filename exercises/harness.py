@@ -180,6 +180,8 @@ KINDS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "all_
 
 @dataclass
 class Call:
+    """One call into torch.distributed, as the recorder saw it."""
+
     op: str
     numel: int
     nbytes: int
@@ -187,11 +189,11 @@ class Call:
     phase: str
     ready: int  # gradients ready when it was launched (see count_ready)
     abs_sum: float  # all_reduce: sum of |x| at launch (was the bucket multiplied by 1/N before?)
-    peer: int = None  # send/recv: the rank it sends to or receives from (None: a recv from any source)
+    peer: int | None = None  # send/recv: the peer rank (None: a recv from any source)
     work: object = None
-    tensor: object = None  # all_reduce: the tensor reduced in place, and its version counter at launch: an
-    version: int = 0  # in-place change before wait() (p.grad /= world) races with the reduction
-    raced: bool = False  # changed in place while in flight
+    tensor: torch.Tensor | None = None  # all_reduce: the tensor it reduces in place
+    version: int | None = None  # its version counter at launch; None for a view of a larger buffer
+    raced: bool = False  # changed in place while its asynchronous all-reduce ran
 
     def describe(self):
         """What this rank is doing, in words: 'sending 5 elements to rank 2'."""
@@ -212,7 +214,9 @@ class Tracked:
     def wait(self, *args, **kwargs):
         self.waited = True
         call = self._call
-        if call.tensor is not None and call.tensor._version != call.version:
+        # An in-place change before wait() (p.grad /= world) races with the reduction. Autograd and in-place
+        # ops bump a tensor's version counter; gloo writes the result without bumping it.
+        if call.version is not None and call.tensor._version != call.version:
             call.raced = True
         self._recorder.waiting = call
         try:
@@ -233,10 +237,31 @@ class Tracked:
 
 
 class Recorder:
-    def __init__(self, ready=None):
+    """The calls one rank made inside one recording(), and where it is now."""
+
+    def __init__(self, ready=None, lockstep=None, name_of=None):
         self.calls, self.phase, self.ready, self.inside = [], "forward", ready, False
         self.waiting = None  # the call whose blocking function, or whose Work's wait(), the rank is in
-        self.failed = None  # the call whose blocking function, or wait(), raised (a timeout: where the rank waited)
+        self.failed = None  # the call whose blocking function, or wait(), raised (a timeout: where it waited)
+        self.lockstep, self.name_of = lockstep, name_of or (lambda t: "a tensor")
+
+    def in_step(self, op=None, tensor=None):
+        """Lockstep: every rank says which collective it is about to issue (op=None: it has returned).
+
+        When the ranks differ, every rank raises Failed at once, with self.lockstep's words. So gloo never
+        pairs two different collectives, and no rank waits for one that never comes."""
+        if self.lockstep is None:
+            return
+        k = sum(KINDS[c.op] == "collective" for c in self.calls) + 1  # this rank's collective number k
+        what = (k, op, 0 if tensor is None else tensor.numel(),
+                "None" if tensor is None else self.name_of(tensor))
+        self.inside = True  # all_gather_object calls all_gather: not the participant's
+        try:
+            said = gather_objects(what)
+        finally:
+            self.inside = False
+        if any(s[1:3] != said[0][1:3] for s in said):
+            raise Failed(self.lockstep(said))
 
     def count(self, kind):
         return sum(1 for c in self.calls if KINDS[c.op] == kind)
@@ -255,10 +280,14 @@ _recorder = _last = None  # the recording now, the latest one (a hang report's: 
 
 
 @contextlib.contextmanager
-def recording(ready=None):
-    """Record the calls into torch.distributed made inside; `ready`, from count_ready, counts gradients."""
+def recording(ready=None, lockstep=None, name_of=None):
+    """Record the calls into torch.distributed made inside. `ready`, from count_ready, counts gradients.
+
+    With `lockstep`, the ranks compare each collective before it runs (Recorder.in_step). `lockstep(said)`
+    words a mismatch; `name_of(tensor)` names a tensor in it. Call rec.in_step() once the participant's code
+    has returned."""
     global _recorder, _last
-    _recorder = _last = Recorder(ready)
+    _recorder = _last = Recorder(ready, lockstep, name_of)
     if ready is not None:
         ready[0] = 0
         ready[1].clear()
@@ -300,7 +329,10 @@ def _counted(op, fn):
                     abs_sum=t.detach().double().abs().sum().item() if op == "all_reduce" else 0.0,
                     peer=_peer(op, args, kwargs))
         if op == "all_reduce":
-            call.tensor, call.version = t, t._version
+            # Views of one buffer share a version counter: a write to another view is no race.
+            call.tensor, call.version = t, (t._version if t._base is None else None)
+        if KINDS[op] == "collective":
+            rec.in_step(op, None if args and args[0] is None else t)
         rec.calls.append(call)
         rec.inside, rec.waiting = True, call
         try:

@@ -40,6 +40,10 @@ ARRIVAL_ORDER = [  # each bucket launched the moment it is full: in gradient-arr
      "            ps, flat, _ = self.buckets[self.where[p]]"),
     ("        for work, (ps, flat, _) in zip(self.works, self.buckets):\n            work.wait()\n",
      "        for work in self.works:\n            work.wait()\n        for ps, flat, _ in self.buckets:\n")]
+SKIP_MISSING = ("        if p.requires_grad:\n"
+                "            if p.grad is None:  # no gradient on this rank: it joins the all-reduce with zeros\n"
+                "                p.grad = torch.zeros_like(p)\n")
+DIVIDE_FIRST = "        p.grad.div_(self.world)  # 1/N before the sum, as DDP: the mean without a second pass\n"
 HANG_S = {"tree_broadcast": "5"}  # the rungs with a planted hang: each call may wait this long
 
 # rung -> {mistake: ([(text in the solution, replaced by)], what the verdict must say[, its status: fail])}
@@ -96,7 +100,13 @@ MISTAKES = {
         "divided before wait()": ([("            dist.all_reduce(p.grad)\n            p.grad /= world\n",
                                     "            work = dist.all_reduce(p.grad, async_op=True)\n"
                                     "            p.grad /= world\n            work.wait()\n")],
-                                  "was changed (divided?) while its asynchronous all-reduce was still running"),
+                                  "fc1.weight.grad changed (divided?) while its asynchronous all-reduce still ran"),
+        # fc2 has no gradient on rank 1 in the last step: skipping it there leaves the ranks' all-reduces out of
+        # step (a hang, or gloo pairing different tensors); the ranks compare each one first and fail together
+        "missing gradient skipped": ([(SKIP_MISSING, "        if p.grad is not None:\n")],
+                                     "At all-reduce 3, rank 0 all-reduces fc2.weight.grad (1024 elements), but "
+                                     "rank 1 all-reduces fc3.weight.grad (128 elements). In this step fc2.weight, "
+                                     "fc2.bias had no gradient on rank 1"),
     },
     "ddp_overlap": {
         "after backward": ([("p.register_post_accumulate_grad_hook(self._launch)", "pass"),
@@ -110,6 +120,11 @@ MISTAKES = {
         "1/N forgotten": ([("        p.grad.div_(self.world)", "        pass")], "summed, not averaged"),
         "never waited": ([("            work.wait()", "            pass")], "never waited for"),
         "no broadcast": ([("            dist.broadcast(p.data, src=0)", "            pass")], "broadcast rank 0's"),
+        "divided after the launch": ([(DIVIDE_FIRST, ""),
+                                      ("        self.pending.append(dist.all_reduce(p.grad, async_op=True))\n",
+                                       "        self.pending.append(dist.all_reduce(p.grad, async_op=True))\n"
+                                       "        p.grad.div_(self.world)\n")],
+                                     "fc3.bias.grad changed (divided?) while its asynchronous all-reduce still ran"),
     },
     "ddp_buckets": {
         "buckets out of order": ([("for ps in self.buckets]", "for ps in reversed(self.buckets)]")],
@@ -121,6 +136,12 @@ MISTAKES = {
                                ("            work.wait()\n",
                                 "            work.wait()\n            flat.mul_(1 / self.world)\n")],
                               "went out undivided"),
+        "1/N between launch and wait": ([("            flat.mul_(1 / self.world)  # 1/N before the sum, as DDP\n", ""),
+                                         ("            self.works.append(dist.all_reduce(flat, group=self.group, "
+                                          "async_op=True))\n",
+                                          "            self.works.append(dist.all_reduce(flat, group=self.group, "
+                                          "async_op=True))\n            flat.mul_(1 / self.world)\n")],
+                                        "bucket 0 changed (divided?) while its asynchronous all-reduce still ran"),
         "launched as soon as full": (ARRIVAL_ORDER, "buckets launched in the order their gradients arrived, not in "
                                                     "bucket order"),
         # ranks that launch their buckets in different orders: gloo aborts the rank that got the larger bucket;
