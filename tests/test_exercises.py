@@ -34,7 +34,7 @@ VARIANTS = {
     "zero1": ["zero1_whole.py"],  # whole parameters per rank, not flat shards
 }
 ARRIVAL_ORDER = [  # each bucket launched the moment it is full: in gradient-arrival order, not bucket order
-    ("        while self.next < len(self.buckets) and self.buckets[self.next][2] == 0:  # strictly in bucket order\n"
+    ("        while self.next < len(self.buckets) and self.buckets[self.next][2] == 0:\n"
      "            ps, flat, _ = self.buckets[self.next]",
      "        if self.buckets[self.where[p]][2] == 0:  # launched the moment it is full\n"
      "            ps, flat, _ = self.buckets[self.where[p]]"),

@@ -1,4 +1,6 @@
-"""A participant's average_gradients, as the exercise asks for it: the tests plant mistakes into a copy of it."""
+"""A participant's average_gradients, as the exercise asks for it.
+
+The tests plant mistakes into a copy of it."""
 
 import torch
 import torch.distributed as dist

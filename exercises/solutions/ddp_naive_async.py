@@ -1,4 +1,6 @@
-"""A participant's average_gradients with asynchronous all-reduces: all launched, all waited for, then divided."""
+"""A participant's average_gradients with asynchronous all-reduces.
+
+All are launched, then all waited for, then divided."""
 
 import torch
 import torch.distributed as dist

@@ -1,4 +1,6 @@
-"""Another correct average_gradients, in a style other than the hints': one all-reduce with ReduceOp.AVG."""
+"""Another correct average_gradients, in another style than the hints'.
+
+It all-reduces with ReduceOp.AVG."""
 
 import torch
 import torch.distributed as dist
@@ -9,4 +11,4 @@ def average_gradients(model, world):
         if p.requires_grad:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)  # the mean in one call: no division of our own
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)  # the mean in one call, no division

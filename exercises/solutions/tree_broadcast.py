@@ -1,4 +1,6 @@
-"""A participant's tree_broadcast, as the exercise asks for it: the tests plant mistakes into a copy of it."""
+"""A participant's tree_broadcast, as the exercise asks for it.
+
+The tests plant mistakes into a copy of it."""
 
 import math
 
