@@ -1,12 +1,12 @@
 """What every rung of exercises/grading.py runs inside: one rank of the checker.
 
 It has four parts, in this order.
-- Running one rank: join the group, import the participant's file, grade it, and return a record.
+- Running one rank: join the group, import the participant's file, grade it, return a record.
 - Agreement: every rank learns the first failure, so a failure never leaves the others waiting.
 - The recorder: wrappers around torch.distributed count what a solution sends, and when.
 - The watchdog: when a rank waits too long, it writes down where.
-exercises/check.py starts the ranks and reads their records. notebooks/ranks.py runs the same checks in a
-notebook's own ranks.
+exercises/check.py starts the ranks and reads their records. notebooks/ranks.py runs the same checks
+in a notebook's own ranks.
 """
 
 import contextlib
@@ -45,20 +45,23 @@ class Exercise:
 
     names: tuple[str, ...]  # what the file must define; the first one found is graded
     ranks: int  # how many processes the checker starts (1: no process group)
-    check: Callable[..., list[str]]  # grades the object; returns lines of information, or raises Failed
+    check: Callable[..., list[str]]  # grades the object, returns lines of information
     reference: str  # the project's own implementation, for check.py --solution
     speed: Callable[..., list[str]] | None = None  # information printed after a pass
 
 
 # --- one rank of the checker: join the group, load the file, grade it, say how it went ---
-def run_rank(exercise: Exercise, path: str, rank: int, world: int, hang_s: float, speed: bool = True) -> dict:
-    """Grade the file at `path` on this rank. Return a record for check.py, a dict that JSON can hold."""
+def run_rank(exercise: Exercise, path: str, rank: int, world: int, hang_s: float,
+             speed: bool = True) -> dict:
+    """Grade the file at `path` on this rank. Return a record for check.py that JSON can hold."""
     obj = None
     try:
         if world > 1:
             with watching("the start of the process group"):
-                dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=hang_s + 30))
-        install_counters()  # before the file is loaded, so `from torch.distributed import send` is counted too
+                dist.init_process_group("gloo", rank=rank, world_size=world,
+                                        timeout=timedelta(seconds=hang_s + 30))
+        # Before the file is loaded, so that `from torch.distributed import send` counts too.
+        install_counters()
         with watching("the import of your file"):
             obj = load(path, exercise.names)
         info = exercise.check(obj)
@@ -71,30 +74,35 @@ def run_rank(exercise: Exercise, path: str, rank: int, world: int, hang_s: float
         frames = traceback.extract_tb(e.__traceback__)
         frame = _frame_in(frames, path)
         if isinstance(e, NotImplementedError) and frame is not None and frame is frames[-1]:
-            return {"status": "not_implemented", "where": _describe(frame), "name": getattr(obj, "__name__", None)}
+            return {"status": "not_implemented", "where": _describe(frame),
+                    "name": getattr(obj, "__name__", None)}
         where = _describe(frame)
-        if isinstance(e, SyntaxError):  # the file does not even compile: it has no frame of its own
-            where = {"file": os.path.basename(e.filename or path), "line": e.lineno, "function": None,
-                     "code": (e.text or "").strip()}
-        return {"status": "error", "time": time.time(), "message": f"{type(e).__name__}: {e}".strip(),
-                "where": where, "checker": None if where else _checker_frame(frames),
+        if isinstance(e, SyntaxError):  # a file that does not compile has no frame of its own
+            where = {"file": os.path.basename(e.filename or path), "line": e.lineno,
+                     "function": None, "code": (e.text or "").strip()}
+        message = f"{type(e).__name__}: {e}".strip()
+        return {"status": "error", "time": time.time(), "message": message, "where": where,
+                "checker": None if where else _checker_frame(frames),
                 "label": _watchdog.label if _watchdog else None}
 
 
-def load(path, names):
-    """Import the participant's file (its folder on sys.path, so it may import its neighbours); return the first
-    of `names` it defines."""
+def load(path: str, names: tuple[str, ...]) -> object:
+    """Import the participant's file, and return the first of `names` that it defines.
+
+    Its folder goes on sys.path, so that it may import its neighbours."""
     folder = os.path.dirname(os.path.abspath(path))
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    spec = importlib.util.spec_from_file_location("participant_" + os.path.basename(path).split(".")[0], path)
+    name = "participant_" + os.path.basename(path).split(".")[0]
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     for name in names:
         if hasattr(module, name):
             return getattr(module, name)
-    raise Failed(f"{path} defines no {names[0]}: the checker grades that name (keep the stub's signature)")
+    raise Failed(f"{path} defines no {names[0]}. The checker grades that name, so keep the stub's "
+                 "signature")
 
 
 def _frame_in(frames, path):
@@ -115,7 +123,7 @@ def _checker_frame(frames):
 
 
 # --- agreement across ranks: every rank learns the first failure and raises it together ---
-# The checker's own collectives: torch.distributed's functions, never counted (install_counters wraps them).
+# The checker's own collectives. install_counters wraps torch.distributed's; these stay uncounted.
 uncounted_all_reduce = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)
 uncounted_broadcast = getattr(dist.broadcast, "__wrapped__", dist.broadcast)
 uncounted_all_gather = getattr(dist.all_gather, "__wrapped__", dist.all_gather)
@@ -123,15 +131,15 @@ _books = {}
 
 
 def book():
-    """A process group of our own for the verdicts, apart from the one the participant's messages use."""
+    """A process group of the checker's own for the verdicts, apart from the participant's."""
     key = id(dist.group.WORLD)  # a new default group (the next init) needs a new one
     if key not in _books:
         _books[key] = dist.new_group(backend="gloo")
     return _books[key]
 
 
-def agree(problem, label):
-    """Raise Failed on every rank if `problem` (a message or None) is set on any, naming the lowest such rank."""
+def agree(problem: str | None, label: str) -> None:
+    """Raise Failed on every rank if any rank has a problem. The message names the lowest one."""
     if not dist.is_initialized():
         if problem:
             raise Failed(f"{label}: {problem}")
@@ -167,15 +175,17 @@ def differs_from_rank0(named, hint):
         uncounted_broadcast(ref, src=0, group=book())
         if not torch.equal(ref, t.detach()):
             i = first_difference(t.detach(), ref)
-            return hinted(f"{name} differs from rank 0's at [{index_of(t, i)}]: rank 0 has "
-                            f"{num(ref.reshape(-1)[i])}, this rank {num(t.detach().reshape(-1)[i])}", hint)
+            return hinted(f"{name} differs from rank 0's at [{index_of(t, i)}]. Rank 0 has "
+                          f"{num(ref.reshape(-1)[i])}, this rank {num(t.detach().reshape(-1)[i])}",
+                          hint)
     return None
 
 
 # --- counting what a solution sends: wrappers around torch.distributed's functions ---
-KINDS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "all_reduce": "collective",
-         "broadcast": "collective", "all_gather_into_tensor": "collective", "all_gather_single": "collective",
-         "reduce_scatter_tensor": "collective", "reduce_scatter_single": "collective", "all_gather": "collective"}
+KINDS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv",
+         "all_reduce": "collective", "broadcast": "collective", "all_gather": "collective",
+         "all_gather_into_tensor": "collective", "all_gather_single": "collective",
+         "reduce_scatter_tensor": "collective", "reduce_scatter_single": "collective"}
 
 
 @dataclass
@@ -188,7 +198,7 @@ class Call:
     async_op: bool
     phase: str
     ready: int  # gradients ready when it was launched (see count_ready)
-    abs_sum: float  # all_reduce: sum of |x| at launch (was the bucket multiplied by 1/N before?)
+    abs_sum: float  # all_reduce: sum of |x| at launch (was the bucket multiplied by 1/N first?)
     peer: int | None = None  # send/recv: the peer rank (None: a recv from any source)
     work: object = None
     tensor: torch.Tensor | None = None  # all_reduce: the tensor it reduces in place
@@ -200,13 +210,15 @@ class Call:
         if KINDS[self.op] == "send":
             return f"sending {self.numel} elements to rank {self.peer}"
         if KINDS[self.op] == "recv":
-            return f"receiving {self.numel} elements from " + ("any rank" if self.peer is None else f"rank {self.peer}")
+            peer = "any rank" if self.peer is None else f"rank {self.peer}"
+            return f"receiving {self.numel} elements from {peer}"
         return f"in dist.{self.op} of {self.numel} elements"
 
 
 class Tracked:
-    """A Work returned to the participant, noting whether anyone waited for it (and, for a hang report, which
-    call the rank is waiting for)."""
+    """A Work handed to the participant. It notes whether anyone waited for it.
+
+    For a hang report, it also notes which call the rank waits for."""
 
     def __init__(self, work, call, recorder):
         self._work, self.waited, self._call, self._recorder = work, False, call, recorder
@@ -214,8 +226,8 @@ class Tracked:
     def wait(self, *args, **kwargs):
         self.waited = True
         call = self._call
-        # An in-place change before wait() (p.grad /= world) races with the reduction. Autograd and in-place
-        # ops bump a tensor's version counter; gloo writes the result without bumping it.
+        # A change in place before wait(), such as p.grad /= world, races with the reduction.
+        # Autograd and in-place ops bump a tensor's version counter. gloo's result does not.
         if call.version is not None and call.tensor._version != call.version:
             call.raced = True
         self._recorder.waiting = call
@@ -241,21 +253,21 @@ class Recorder:
 
     def __init__(self, ready=None, lockstep=None, name_of=None):
         self.calls, self.phase, self.ready, self.inside = [], "forward", ready, False
-        self.waiting = None  # the call whose blocking function, or whose Work's wait(), the rank is in
-        self.failed = None  # the call whose blocking function, or wait(), raised (a timeout: where it waited)
+        self.waiting = None  # the call whose blocking function, or whose wait(), the rank is in
+        self.failed = None  # the call whose blocking function, or wait(), raised (a timeout)
         self.lockstep, self.name_of = lockstep, name_of or (lambda t: "a tensor")
 
     def in_step(self, op=None, tensor=None):
-        """Lockstep: every rank says which collective it is about to issue (op=None: it has returned).
+        """In lockstep, every rank says which collective comes next (op=None: none, it returned).
 
-        When the ranks differ, every rank raises Failed at once, with self.lockstep's words. So gloo never
-        pairs two different collectives, and no rank waits for one that never comes."""
+        When the ranks differ, every rank raises Failed at once, with self.lockstep's words. So gloo
+        never pairs two different collectives, and no rank waits for one that never comes."""
         if self.lockstep is None:
             return
-        k = sum(KINDS[c.op] == "collective" for c in self.calls) + 1  # this rank's collective number k
+        k = sum(KINDS[c.op] == "collective" for c in self.calls) + 1  # this rank's k-th collective
         what = (k, op, 0 if tensor is None else tensor.numel(),
                 "None" if tensor is None else self.name_of(tensor))
-        self.inside = True  # all_gather_object calls all_gather: not the participant's
+        self.inside = True  # all_gather_object calls all_gather, which is not the participant's
         try:
             said = gather_objects(what)
         finally:
@@ -276,16 +288,17 @@ class Recorder:
         return [c for c in self.calls if c.op == op]
 
 
-_recorder = _last = None  # the recording now, the latest one (a hang report's: what this rank issued)
+_recorder = _last = None  # the recording now, and the latest one (for a hang report)
 
 
 @contextlib.contextmanager
-def recording(ready=None, lockstep=None, name_of=None):
-    """Record the calls into torch.distributed made inside. `ready`, from count_ready, counts gradients.
+def recording(ready: list | None = None, lockstep: Callable[[list], str] | None = None,
+              name_of: Callable[[torch.Tensor], str] | None = None):
+    """Record the calls into torch.distributed made inside. `ready` (from count_ready) counts grads.
 
-    With `lockstep`, the ranks compare each collective before it runs (Recorder.in_step). `lockstep(said)`
-    words a mismatch; `name_of(tensor)` names a tensor in it. Call rec.in_step() once the participant's code
-    has returned."""
+    With `lockstep`, the ranks compare each collective before it runs (Recorder.in_step).
+    `lockstep(said)` words a mismatch, and `name_of(tensor)` names a tensor in it. Call
+    rec.in_step() once the participant's code has returned."""
     global _recorder, _last
     _recorder = _last = Recorder(ready, lockstep, name_of)
     if ready is not None:
@@ -298,8 +311,8 @@ def recording(ready=None, lockstep=None, name_of=None):
 
 
 def count_ready(module):
-    """Hooks, registered before the participant's, counting the gradients autograd has produced so far."""
-    ready = [0, []]  # how many so far, their names in arrival order
+    """Hooks that count the gradients autograd has made so far, ahead of the participant's."""
+    ready = [0, []]  # how many so far, and their names in arrival order
     names = {p: n for n, p in module.named_parameters()}
 
     def hook(p):
@@ -324,12 +337,12 @@ def _counted(op, fn):
         if not torch.is_tensor(t):
             t = torch.empty(0)
         call = Call(op, t.numel(), t.numel() * t.element_size(),
-                    async_op=bool(kwargs.get("async_op", op in ("isend", "irecv"))), phase=rec.phase,
-                    ready=rec.ready[0] if rec.ready else 0,
+                    async_op=bool(kwargs.get("async_op", op in ("isend", "irecv"))),
+                    phase=rec.phase, ready=rec.ready[0] if rec.ready else 0,
                     abs_sum=t.detach().double().abs().sum().item() if op == "all_reduce" else 0.0,
                     peer=_peer(op, args, kwargs))
         if op == "all_reduce":
-            # Views of one buffer share a version counter: a write to another view is no race.
+            # Views of one buffer share a version counter, so a write to another view is no race.
             call.tensor, call.version = t, (t._version if t._base is None else None)
         if KINDS[op] == "collective":
             rec.in_step(op, None if args and args[0] is None else t)
@@ -350,8 +363,9 @@ def _counted(op, fn):
 
 
 def _peer(op, args, kwargs):
-    """The rank a send goes to or a recv comes from (batch_isend_irecv passes group_dst / group_src: on the
-    default group, the same numbers)."""
+    """The rank a send goes to, or a recv comes from.
+
+    batch_isend_irecv passes group_dst or group_src. On the default group, they are the same."""
     if KINDS[op] not in ("send", "recv"):
         return None
     key = "dst" if KINDS[op] == "send" else "src"
@@ -359,9 +373,11 @@ def _peer(op, args, kwargs):
     return peer if isinstance(peer, int) else None
 
 
-def install_counters():
-    """Replace torch.distributed's point-to-point and collective functions with counting ones (once; they count
-    only inside recording()). Both namespaces: batch_isend_irecv checks `op is isend` in distributed_c10d."""
+def install_counters() -> None:
+    """Replace torch.distributed's messages and collectives with counting ones, once.
+
+    They count only inside recording(). Both namespaces change, since batch_isend_irecv checks
+    `op is isend` in distributed_c10d."""
     for op in KINDS:
         fn = getattr(dist, op, None)
         if fn is None or getattr(fn, "counted", False):
@@ -376,16 +392,20 @@ def install_counters():
 _watchdog = None
 
 
-def watching(label):
+def watching(label: str):
+    """Watch the calls inside, under this label. Without a watchdog, do nothing."""
     return _watchdog.watch(label) if _watchdog else contextlib.nullcontext()
 
 
 class Watchdog:
-    """A thread that, when the main thread has spent more than hang_s seconds in one watched call (or when check.py
-    asks, by creating `request`), writes where the main thread is to `out`: the innermost line of `participant`."""
+    """A thread that writes down where the main thread is, as a record in `out`.
+
+    It does so when the main thread has spent more than hang_s seconds in one watched call, or when
+    check.py asks by creating `request`. The place is the innermost line of `participant`."""
 
     def __init__(self, hang_s, out, request, participant):
-        self.hang_s, self.out, self.request, self.participant = hang_s, out, request, os.path.abspath(participant)
+        self.hang_s, self.out, self.request = hang_s, out, request
+        self.participant = os.path.abspath(participant)
         self.label, self.since, self.main = None, None, threading.main_thread().ident
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -401,7 +421,8 @@ class Watchdog:
         while True:
             time.sleep(0.05)
             since = self.since
-            if os.path.exists(self.request) or (since is not None and time.monotonic() - since > self.hang_s):
+            late = since is not None and time.monotonic() - since > self.hang_s
+            if late or os.path.exists(self.request):
                 self._dump(since)
                 return
 
@@ -419,20 +440,23 @@ class Watchdog:
         os.replace(tmp, self.out)
 
 
-def hang_record(where, checker):
-    """Where this rank waits (`where`: the participant's line, from _describe; `checker`: the checker's, when the
-    participant's code had returned) and for what: the call it is in, or whose timeout it raised, and the
-    collectives it issued in the latest recording. check.py's diagnosis reads one per rank."""
+def hang_record(where: dict | None, checker: dict | None) -> dict:
+    """Where this rank waits, and for what. check.py's diagnosis reads one per rank.
+
+    `where` is the participant's line, from _describe. `checker` is the checker's line, when the
+    participant's code had returned. The record adds the call the rank is in (or whose timeout it
+    raised), and the collectives it issued in the latest recording."""
     rec = _recorder or _last
     call = rec and (rec.waiting or rec.failed)
+    issued = [[c.op, c.numel] for c in rec.calls if KINDS[c.op] == "collective"] if rec else []
     return {"status": "hang", "where": where, "checker": checker,
-            "call": call and {"op": call.op, "kind": KINDS[call.op], "peer": call.peer, "numel": call.numel,
-                              "text": call.describe()},
-            # ranks that issued different collectives (another order, one fewer) wait for each other forever
-            "collectives": [[c.op, c.numel] for c in rec.calls if KINDS[c.op] == "collective"] if rec else []}
+            "call": call and {"op": call.op, "kind": KINDS[call.op], "peer": call.peer,
+                              "numel": call.numel, "text": call.describe()},
+            # ranks that issued different collectives wait for each other forever
+            "collectives": issued}
 
 
-def start_watchdog(hang_s, out, request, participant):
+def start_watchdog(hang_s: float, out: str, request: str, participant: str) -> None:
     global _watchdog
     _watchdog = Watchdog(hang_s, out, request, participant)
 
@@ -473,4 +497,6 @@ def first_difference(a, b, close_enough=False, tol=0.0):
 
 
 def brief(indices, shown=12):
-    return str(indices) if len(indices) <= shown else str(indices[:shown])[:-1] + f", ... ({len(indices)} in all)]"
+    if len(indices) <= shown:
+        return str(indices)
+    return str(indices[:shown])[:-1] + f", ... ({len(indices)} in all)]"

@@ -57,7 +57,7 @@ MISTAKES = {
                                  "    if rank != src:\n"
                                  "        dist.recv(tensor, src=src)\n"
                                  "    for k in []:")],
-                               "a binomial tree needs only ceil(log2 4) = 2 rounds"),
+                               "A binomial tree needs only ceil(log2 4) = 2 rounds"),
         "not in place": ([("    vrank = ", "    tensor = tensor.clone()\n    vrank = ")], "in place"),
         # the receiver's partner computed without src: from src=1 on, rank 1 sends to rank 2 while rank 2 waits
         # on rank 0; the report names each rank's peer and the pairs that do not match, with the tree's hint
@@ -74,13 +74,13 @@ MISTAKES = {
                               "inbox = recv.clone()\n"
                               "        reqs = [dist.isend(send, right), dist.irecv(inbox, left)]\n"),
                              ("    if flat.data_ptr()", "        recv += inbox\n    if flat.data_ptr()")],
-                            "overwrites yours (copy_), it is not added"),
+                            "overwrites yours (copy_). It is not added"),
         "no copy back": ([("if flat.data_ptr() != tensor.data_ptr():", "if False:")], "copy the result back"),
     },
     "sampler": {
         "set_epoch ignored": ([("        self.epoch = epoch\n", "        pass\n")], "set_epoch(1) changed nothing"),
         "no padding": ([("indices += [indices[i % n] for i in range(self.total_size - n)]", "pass")],
-                       "no padding?"),
+                       "Is the padding missing?"),
         "a block per rank": ([("indices[self.rank:self.total_size:self.num_replicas]",
                                "indices[self.rank * self.num_samples:(self.rank + 1) * self.num_samples]")],
                              "every N-th index starting at r"),
@@ -96,7 +96,7 @@ MISTAKES = {
         "weights reduced": ([("dist.all_reduce(p.grad)", "dist.all_reduce(p.data)")], "changed the weights"),
         "a temporary reduced": ([("            dist.all_reduce(p.grad)\n            p.grad /= world\n",
                                   "            dist.all_reduce(p.grad / world)\n")],
-                                "your all-reduces summed temporary tensors (6 of them), never .grad itself"),
+                                "Your all-reduces summed temporary tensors (6 of them), never .grad itself"),
         "divided before wait()": ([("            dist.all_reduce(p.grad)\n            p.grad /= world\n",
                                     "            work = dist.all_reduce(p.grad, async_op=True)\n"
                                     "            p.grad /= world\n            work.wait()\n")],
@@ -119,7 +119,7 @@ MISTAKES = {
                                    "dist.all_reduce(p.grad)")], "blocking (async_op=False)"),
         "1/N forgotten": ([("        p.grad.div_(self.world)", "        pass")], "summed, not averaged"),
         "never waited": ([("            work.wait()", "            pass")], "never waited for"),
-        "no broadcast": ([("            dist.broadcast(p.data, src=0)", "            pass")], "broadcast rank 0's"),
+        "no broadcast": ([("            dist.broadcast(p.data, src=0)", "            pass")], "Broadcast rank 0's"),
         "divided after the launch": ([(DIVIDE_FIRST, ""),
                                       ("        self.pending.append(dist.all_reduce(p.grad, async_op=True))\n",
                                        "        self.pending.append(dist.all_reduce(p.grad, async_op=True))\n"
