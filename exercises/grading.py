@@ -1,7 +1,7 @@
 """The rungs of the ladder, in order, each with its check. At the end, EXERCISES lists them.
 
 Each check_* function grades one rung. It compares the participant's code with the library it
-replaces. It raises Failed with one sentence that names the first thing wrong, and a hint for the
+replaces. It raises Failed with a message that names the first thing wrong, and a hint for the
 usual cause. On success it returns lines of information. Each check runs on every rank of a gloo
 process group, except the sampler's, which needs none. The harness around it (harness.py) runs a
 rank, counts what a solution sends, and catches hangs. exercises/check.py, notebooks/ranks.py and
