@@ -1,7 +1,4 @@
-"""Rung 6: DDP's core. Gradients go into buckets, and each bucket has one all-reduce.
-
-The hooks launch a bucket's all-reduce as soon as the bucket is complete. The lesson is
-05_manual_ddp_gpt2.py.
+"""Rung 6: DDP's core, one all-reduce per bucket of gradients. The lesson is 05_manual_ddp_gpt2.py.
 
 Check it:  python exercises/check.py ddp_buckets
 """
@@ -20,8 +17,8 @@ class DDPCore(nn.Module):
         optimizer.step()
 
     Contract:
-      - __init__ broadcasts rank 0's parameters, so replicas start identical. With
-        broadcast_buffers it broadcasts rank 0's buffers too. The checker's model has none.
+      - __init__ broadcasts rank 0's parameters, and its buffers with broadcast_buffers, so
+        replicas start identical.
       - The buckets follow DDP's layout. Take the parameters in reverse registration order, since
         backward produces the last layer's gradients first. Close a bucket once it holds
         bucket_cap_mb MiB or more (25 when None).
@@ -29,30 +26,26 @@ class DDPCore(nn.Module):
         are ready. The buckets start strictly in bucket order, on every rank. Multiply each bucket
         by 1/N before the sum, as DDP does.
       - Backward waits for all of them before it returns. Then .grad holds the mean, as PyTorch's
-        DDP leaves it. The checker compares on 2 ranks, bit for bit.
-      - You may wait in a method instead. Name it finish_gradient_synchronization(), and the checker
-        calls it after backward.
+        DDP leaves it, bit for bit on 2 ranks. Or wait in finish_gradient_synchronization(), which
+        the checker calls after backward if it exists.
       - Inside ``with model.no_sync():`` backward sends nothing. The gradients add up locally, and
         the next backward outside it averages the sum.
 
     What the checker does:
       - It passes bucket_cap_mb = 512 bytes. Its small model then has three buckets, one per layer.
-      - PyTorch's DDP sends one bucket in the very first step, and its real layout after that. The
-        checker accepts both in the first step.
-      - It then grades a second model, whose gradients arrive in another order than the buckets.
-        One layer is registered last but used first. One is used twice, and a frozen one sits
-        between. A bucket launched the moment it is full then goes out of turn.
-      - From the second step on, it also accepts the buckets that PyTorch's DDP rebuilds. Those
-        follow the order in which the first backward produced the gradients. They go out in their
-        own order.
+      - PyTorch's DDP sends one bucket in its first step. The checker accepts both layouts there.
+      - A second model's gradients arrive in another order than its buckets. One layer is
+        registered last but used first, one is used twice, and a frozen one sits between. There a
+        bucket launched the moment it is full goes out of turn.
+      - From the second step on, it also accepts buckets rebuilt as PyTorch's DDP rebuilds them, in
+        the order the first backward produced the gradients.
 
     Hints:
       - A flat buffer per bucket saves copies if each parameter's .grad is a view into it. Copying
         each gradient into its bucket in the hook is fine too.
       - p.register_post_accumulate_grad_hook(fn) calls fn(p) right after p.grad has been written.
-      - Call torch.autograd.Variable._execution_engine.queue_callback(fn) from the first hook of a
-        backward. It runs fn when the whole backward is done. Wait for the buckets there, and copy
-        back if you copied.
+      - torch.autograd.Variable._execution_engine.queue_callback(fn), called from the first hook of
+        a backward, runs fn when the backward is done. Wait for the buckets there.
     """
 
     def __init__(self, module, process_group=None, bucket_cap_mb=None, broadcast_buffers=True):

@@ -1,6 +1,4 @@
-"""Rung 4: data parallel the naive way. Average the gradients after backward.
-
-The lesson is 05_manual_ddp_gpt2.py, run with --impl naive.
+"""Rung 4: average the gradients after backward. The lesson is 05_manual_ddp_gpt2.py --impl naive.
 
 Check it:  python exercises/check.py ddp_naive
 """
@@ -15,12 +13,11 @@ def average_gradients(model, world):
     ``world`` is the number of ranks. Identical replicas then take identical optimizer steps.
 
     Contract:
-      - Every rank calls it after backward and before ``optimizer.step()``.
-      - It changes ``.grad`` only.
+      - Every rank calls it after backward, before ``optimizer.step()``. It changes ``.grad`` only.
       - Afterwards ``.grad`` equals what PyTorch's DistributedDataParallel leaves there. The checker
         trains a small model with both, on 2 ranks, where the two agree bit for bit.
-      - A layer may go unused on one rank, so its parameters get no gradient there. The checker's
-        last step does this.
+      - A layer may go unused on one rank, so it has no gradient there. The checker's last step
+        does this.
 
     Hints:
       - dist.all_reduce sums in place. The mean is the sum divided by the world size.

@@ -18,19 +18,16 @@ class OverlapDDP(nn.Module):
         optimizer.step()
 
     Contract:
-      - __init__ broadcasts rank 0's parameters. So replicas built with different seeds start
-        identical.
+      - __init__ broadcasts rank 0's parameters, so replicas built with other seeds start equal.
       - During backward, as each parameter's gradient is ready, one all-reduce for it starts with
         async_op=True. Communication then overlaps the rest of backward. The checker counts the
         all-reduces, when they start, and whether they block.
-      - finish_gradient_synchronization() waits for all of them. Afterwards each .grad is the mean
-        over the ranks. That is what PyTorch's DistributedDataParallel leaves there. The checker
-        compares on 2 ranks, bit for bit.
+      - finish_gradient_synchronization() waits for all of them. Then each .grad is the mean over
+        the ranks, as PyTorch's DistributedDataParallel leaves it, bit for bit on 2 ranks.
 
     Hints:
       - p.register_post_accumulate_grad_hook(fn) calls fn(p) right after p.grad has been written.
-      - dist.all_reduce(p.grad, async_op=True) returns a Work. Keep it, and call its .wait() at the
-        end.
+      - dist.all_reduce(p.grad, async_op=True) returns a Work. Keep it, and wait for it at the end.
       - Divide by the world size before the launch, or after wait(). Never divide in between, while
         the all-reduce may still read the gradient.
     """

@@ -7,14 +7,11 @@ import torch.distributed as dist  # noqa: F401  (you will need it)
 
 
 def ring_all_reduce(tensor):
-    """Sum ``tensor`` over all ranks, in place, with a ring of point-to-point messages.
-
-    Return ``tensor``.
+    """Sum ``tensor`` over all ranks, in place, with a ring of messages. Return ``tensor``.
 
     Contract:
-      - Afterwards every rank holds the sum of everyone's tensor, element by element. It equals the
-        result of dist.all_reduce, exactly for integers and to rounding for random floats.
-      - The result is the same on every rank, bit for bit.
+      - Afterwards every rank holds the same sum, bit for bit. It equals dist.all_reduce's result,
+        exactly for integers and to rounding for random floats.
       - Write the sum into ``tensor`` itself, whatever its shape, dtype or memory layout. The
         checker also passes a transposed tensor, which is not contiguous.
       - Any number of elements works, even fewer than ranks, or none.

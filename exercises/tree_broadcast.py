@@ -10,8 +10,7 @@ def tree_broadcast(tensor, src):
     """Copy rank ``src``'s ``tensor`` to every other rank, in place, with point-to-point messages.
 
     Contract:
-      - Every rank calls it with a tensor of the same shape and dtype.
-      - Afterwards every rank holds src's values.
+      - Every rank passes a tensor of the same shape and dtype. Afterwards all hold src's values.
       - Write into ``tensor`` itself. The caller keeps using that object.
       - Build a tree, not a line. It takes ceil(log2 N) rounds. The source sends one message per
         round, and every other rank receives exactly once.
@@ -20,10 +19,8 @@ def tree_broadcast(tensor, src):
     Hints:
       - Number the ranks from the source, so that the source is 0. That is vrank = (rank - src) % N.
         A partner's real rank is then (its vrank + src) % N.
-      - In round k, let step = 2**k. The ranks that already hold the data have vrank < step. Each of
-        them sends to vrank + step, if that rank exists. The ranks with step <= vrank < 2 * step
-        receive from vrank - step.
-      - In a round, every rank is in one pair at most. So blocking dist.send and dist.recv cannot
-        deadlock here.
+      - In round k, let step = 2**k. The ranks with vrank < step hold the data. Each sends to
+        vrank + step, if it exists. A rank with step <= vrank < 2 * step receives from vrank - step.
+      - A rank is in one pair at most per round, so blocking send and recv cannot deadlock here.
     """
     raise NotImplementedError

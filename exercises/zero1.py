@@ -1,6 +1,4 @@
-"""Rung 7: ZeRO stage 1. Each rank keeps the optimizer state of its own shard only.
-
-The lesson is 07_zero.py.
+"""Rung 7: ZeRO stage 1. Each rank keeps the optimizer state of its own shard. See 07_zero.py.
 
 Check it:  python exercises/check.py zero1
 """
@@ -10,9 +8,7 @@ import torch.nn as nn
 
 
 class ZeroDDP(nn.Module):
-    """Data-parallel training with the optimizer split over the ranks.
-
-    It is a model and an optimizer in one:
+    """It is a model and an optimizer in one, with the optimizer split over the ranks. For example:
 
         model = ZeroDDP(module, torch.optim.AdamW, lr=1e-3)
         loss_fn(model(x), y).backward()
@@ -36,8 +32,8 @@ class ZeroDDP(nn.Module):
       - Rank r's shard is then buffer[r * size : (r + 1) * size]. This rank's optimizer has one
         parameter, its shard. The shard's .grad is the same slice of the averaged flat gradient.
       - After the step, dist.all_gather_single(buffer, shard) puts every rank's update everywhere.
-        Before torch 2.14 its name was all_gather_into_tensor.
-      - The update is elementwise, so sharding changes no bits.
+        Before torch 2.14 its name was all_gather_into_tensor. The update is elementwise, so
+        sharding changes no bits.
     """
 
     def __init__(self, module, optimizer_class, **defaults):

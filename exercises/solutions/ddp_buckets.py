@@ -1,6 +1,4 @@
-"""A participant's DDPCore, as the exercise asks for it.
-
-The tests plant mistakes into a copy of it."""
+"""A participant's DDPCore, as the stub asks. The tests plant mistakes in a copy of it."""
 
 import contextlib
 

@@ -1,6 +1,4 @@
-"""A participant's average_gradients, as the exercise asks for it.
-
-The tests plant mistakes into a copy of it."""
+"""A participant's average_gradients, as the stub asks. The tests plant mistakes in a copy of it."""
 
 import torch
 import torch.distributed as dist

@@ -1,6 +1,4 @@
-"""A participant's average_gradients with asynchronous all-reduces.
-
-All are launched, then all waited for, then divided."""
+"""A participant's average_gradients with async all-reduces, all waited for before dividing."""
 
 import torch
 import torch.distributed as dist

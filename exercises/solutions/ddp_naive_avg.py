@@ -1,6 +1,4 @@
-"""Another correct average_gradients, in another style than the hints'.
-
-It all-reduces with ReduceOp.AVG."""
+"""Another correct average_gradients. It all-reduces with ReduceOp.AVG, unlike the hints."""
 
 import torch
 import torch.distributed as dist

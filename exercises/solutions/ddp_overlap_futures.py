@@ -1,7 +1,4 @@
-"""Another correct OverlapDDP. It waits on futures instead of Work.wait().
-
-The first hook queues a callback for the end of backward, which waits for them all. So backward
-returns with the mean in .grad."""
+"""Another correct OverlapDDP. It waits on futures, in a callback queued for the end of backward."""
 
 import torch
 import torch.distributed as dist

@@ -1,6 +1,4 @@
-"""A participant's DistributedSampler, as the exercise asks for it.
-
-The tests plant mistakes into a copy of it."""
+"""A participant's DistributedSampler, as the stub asks. Tests plant mistakes in a copy of it."""
 
 import math
 

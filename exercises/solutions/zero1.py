@@ -1,6 +1,4 @@
-"""A participant's ZeroDDP (stage 1), as the exercise asks for it.
-
-The tests plant mistakes into a copy of it."""
+"""A participant's ZeroDDP (stage 1), as the stub asks. The tests plant mistakes in a copy of it."""
 
 import torch
 import torch.distributed as dist
