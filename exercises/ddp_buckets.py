@@ -1,5 +1,4 @@
-"""Rung 6: DDP's core: gradients packed into buckets, each bucket's all-reduce launched from the hooks as soon as
-the bucket is complete (the lesson: 05_manual_ddp_gpt2.py).
+"""Rung 6: DDP's core, one all-reduce per bucket of gradients. The lesson is 05_manual_ddp_gpt2.py.
 
 Check it:  python exercises/check.py ddp_buckets
 """
@@ -11,37 +10,42 @@ import torch.nn as nn
 
 
 class DDPCore(nn.Module):
-    """torch.nn.parallel.DistributedDataParallel's core, by hand. Use it as DDP:
+    """The core of torch.nn.parallel.DistributedDataParallel, by hand. Use it as you would use DDP:
 
         model = DDPCore(module, bucket_cap_mb=25)
-        loss_fn(model(x), y).backward()     # when backward returns, every .grad is the mean over the ranks
+        loss_fn(model(x), y).backward()  # when backward returns, each .grad is the mean
         optimizer.step()
 
     Contract:
-      - __init__ broadcasts rank 0's parameters (and, with broadcast_buffers, its buffers; the checker's model
-        has none), so replicas start identical;
-      - buckets in DDP's layout: the parameters in reverse registration order (backward produces the last layer's
-        gradients first), a bucket closed once it holds bucket_cap_mb MiB or more (25 when None);
-      - during backward, each bucket's all-reduce starts (async_op=True) as soon as all its gradients are ready,
-        strictly in bucket order on every rank, the bucket multiplied by 1/N before the sum, as DDP does;
-      - backward waits for all of them before it returns, and .grad holds the mean (what PyTorch's DDP leaves
-        there: checked on 2 ranks, bit for bit). If you would rather wait in a method, name it
-        finish_gradient_synchronization(): the checker calls it after backward when it exists;
-      - inside ``with model.no_sync():`` backward sends nothing; gradients accumulate locally and the next
-        backward outside it averages the sum.
-    The checker passes bucket_cap_mb = 512 bytes, which gives its small model three buckets, one per layer
-    (PyTorch's DDP sends one bucket in the very first step, then its real layout: both are accepted there). It
-    then grades a second model whose gradients arrive in another order than the buckets (a layer registered last
-    but used first, a layer used twice, a frozen one between): there a bucket launched the moment it is full goes
-    out of turn. From the second step on, buckets rebuilt in the order the first backward produced the gradients
-    (as PyTorch's DDP rebuilds them) are accepted too, launched in their own order.
+      - __init__ broadcasts rank 0's parameters, and its buffers with broadcast_buffers, so
+        replicas start identical.
+      - The buckets follow DDP's layout. Take the parameters in reverse registration order, since
+        backward produces the last layer's gradients first. Close a bucket once it holds
+        bucket_cap_mb MiB or more (25 when None).
+      - During backward, each bucket's all-reduce starts with async_op=True once all its gradients
+        are ready. The buckets start strictly in bucket order, on every rank. Multiply each bucket
+        by 1/N before the sum, as DDP does.
+      - Backward waits for all of them before it returns. Then .grad holds the mean, as PyTorch's
+        DDP leaves it, bit for bit on 2 ranks. Or wait in finish_gradient_synchronization(), which
+        the checker calls after backward if it exists.
+      - Inside ``with model.no_sync():`` backward sends nothing. The gradients add up locally, and
+        the next backward outside it averages the sum.
+
+    What the checker does:
+      - It passes bucket_cap_mb = 512 bytes. Its small model then has three buckets, one per layer.
+      - PyTorch's DDP sends one bucket in its first step. The checker accepts both layouts there.
+      - A second model's gradients arrive in another order than its buckets. One layer is
+        registered last but used first, one is used twice, and a frozen one sits between. There a
+        bucket launched the moment it is full goes out of turn.
+      - From the second step on, it also accepts buckets rebuilt as PyTorch's DDP rebuilds them, in
+        the order the first backward produced the gradients.
 
     Hints:
-      - a flat buffer per bucket, and each parameter's .grad a view into it, saves copying gradients in and out;
-        copying each gradient into its bucket in the hook is fine too;
-      - p.register_post_accumulate_grad_hook(fn) calls fn(p) right after p.grad has been written;
-      - torch.autograd.Variable._execution_engine.queue_callback(fn), called from the first hook of a backward,
-        runs fn when the whole backward is done: wait for the buckets there (and copy back, if you copied).
+      - A flat buffer per bucket saves copies if each parameter's .grad is a view into it. Copying
+        each gradient into its bucket in the hook is fine too.
+      - p.register_post_accumulate_grad_hook(fn) calls fn(p) right after p.grad has been written.
+      - torch.autograd.Variable._execution_engine.queue_callback(fn), called from the first hook of
+        a backward, runs fn when the backward is done. Wait for the buckets there.
     """
 
     def __init__(self, module, process_group=None, bucket_cap_mb=None, broadcast_buffers=True):

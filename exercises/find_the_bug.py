@@ -1,13 +1,15 @@
-"""Rung 8: find the bug (the lesson: 09_debugging.py). This file is not a stub: it runs, the loss goes down, and
-nothing errors. But after training, the ranks no longer hold the same model. Find which tensors drift, and why,
-then fix `train` so that every rank ends with the same model, bit for bit.
+"""Rung 8: find the bug. The lesson is 09_debugging.py.
 
-See it:    torchrun --nproc_per_node=2 exercises/find_the_bug.py      (the loss, then check_replicas' verdict)
+This file is not a stub. It runs, the loss goes down, and nothing fails. But after training, the
+ranks no longer hold the same model. Find which tensors drift, and why. Then fix `train`, so that
+every rank ends with the same model, bit for bit.
+
+See it:    torchrun --nproc_per_node=2 exercises/find_the_bug.py   (the loss, then the verdict)
 Check it:  python exercises/check.py find_the_bug
 
-Tools: check_replicas(model) from debug_tools.py (09_debugging.py imports it; this file calls it below) names the
-first tensor that differs, the ranks and by how much; docs/debugging.md's troubleshooting table lists the usual
-causes of drift.
+Two tools help. check_replicas(model) names the first tensor that differs, the ranks, and by how
+much. It comes from debug_tools.py, and this file calls it at the end. The troubleshooting table in
+docs/debugging.md lists the usual causes of drift.
 """
 
 import torch
@@ -16,10 +18,11 @@ import torch.nn.functional as F
 
 
 def train(model, batches, lr=0.1, max_norm=0.5):
-    """Data parallel by hand: `model` is the same on every rank when called, `batches` this rank's own.
+    """Data parallel by hand. `model` is the same on every rank when called.
 
-    Contract: afterwards every parameter and buffer is the same on every rank, bit for bit, and the parameters are
-    those of SGD on the gradient averaged over the ranks, its norm clipped to `max_norm`.
+    `batches` are this rank's own. Afterwards every parameter and buffer must be the same on every
+    rank, bit for bit. The parameters must be those of SGD on the gradient averaged over the ranks,
+    with its norm clipped to `max_norm`.
     """
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for step, (x, y) in enumerate(batches):
@@ -41,14 +44,16 @@ if __name__ == "__main__":  # torchrun --nproc_per_node=2 exercises/find_the_bug
     import sys
 
     import torch.nn as nn
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from lessons import load
     dist.init_process_group("gloo")
     debugging = load("09_debugging.py")
     torch.manual_seed(0)  # the same model on every rank
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
     g = torch.Generator().manual_seed(dist.get_rank())  # each rank its own data
-    train(model, [(torch.randn(8, 6, generator=g) * 3, torch.randn(8, 1, generator=g)) for _ in range(6)])
+    batches = [(torch.randn(8, 6, generator=g) * 3, torch.randn(8, 1, generator=g))
+               for _ in range(6)]
+    train(model, batches)
     debugging.check_replicas(model)  # raises on every rank, naming the first tensor that differs
     print(f"rank {dist.get_rank()}: the replicas are identical", flush=True)
     dist.destroy_process_group()

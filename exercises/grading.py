@@ -1,113 +1,125 @@
-"""The checks behind exercises/check.py, and behind the project's own tests of 02-05 and 07: one code path.
+"""The rungs of the ladder, in order, each with its check. At the end, EXERCISES lists them.
 
-Each check_* function grades one rung of the ladder. It runs on every rank of an initialised gloo process group
-(check_sampler needs none), compares the participant's code with the library it replaces, and raises Failed with
-one sentence naming the first thing wrong (which rank, which case or step, expected against got) and a hint for
-the usual cause. On success it returns lines of information. All ranks agree on every verdict before going on, so
-a failure on one rank never leaves the others waiting.
-
-The counting wrappers (install_counters) stand in for torch.distributed's send, all_reduce, ... to see how a
-solution communicates (how many messages, how many bytes, launched inside backward or after it); the watchdog
-turns a hang into the place where each rank waited.
+Each check_* function grades one rung. It compares the participant's code with the library it
+replaces. It raises Failed with a message that names the first thing wrong, and a hint for the
+usual cause. On success it returns lines of information. Each check runs on every rank of a gloo
+process group, except the sampler's, which needs none. The harness around it (harness.py) runs a
+rank, counts what a solution sends, and catches hangs. exercises/check.py, notebooks/ranks.py and
+the project's own tests of 02-05 and 07 all grade through here.
 """
 
 import contextlib
+import copy
 import functools
-import importlib.util
 import itertools
-import json
 import math
 import os
 import sys
-import threading
 import time
-import traceback
-from dataclasses import dataclass
-from datetime import timedelta
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.data
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [p for p in (HERE, os.path.dirname(HERE)) if p not in sys.path]  # harness, lessons
+import harness  # noqa: E402
+from harness import (  # noqa: E402
+    Exercise,
+    Failed,
+    agree,
+    barrier,
+    book,
+    brief,
+    count_ready,
+    differs_from_rank0,
+    dtype_name,
+    first_difference,
+    gather_objects,
+    gather_tensors,
+    hinted,
+    index_of,
+    kind_of,
+    num,
+    recording,
+    uncounted_all_reduce,
+    watching,
+)
+
 import lessons  # noqa: E402
 
-
-class Failed(AssertionError):
-    """A check failed: the message says what, where, and (after "hint:") the usual cause."""
-
-
-# --- the ladder ---
-@dataclass
-class Exercise:
-    names: tuple  # the names the file must define, the first one found is graded
-    ranks: int  # how many processes the checker starts (1: no process group)
-    check: callable
-    reference: str  # the project's own implementation, for check.py --solution
-    speed: callable = None  # information printed after a pass
-
-
-def _problem(what, hint=None):
-    return what + (f"\n  hint: {hint}" if hint else "")
+# notebooks/ranks.py grades in a notebook's own ranks. It reads these four names here too.
+_books, _checker_frame = harness._books, harness._checker_frame
+hang_record, install_counters = harness.hang_record, harness.install_counters
 
 
 # --- rung 1: tree_broadcast (02_broadcast.py) ---
-def check_tree_broadcast(tree_broadcast):
-    """Equal to dist.broadcast from every source, in place, in ceil(log2 N) rounds (the source sends that many)."""
+def check_tree_broadcast(tree_broadcast: Callable[[torch.Tensor, int], object]) -> list[str]:
+    """Equal to dist.broadcast from every source, in place, in ceil(log2 N) rounds.
+
+    The source sends one message per round."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rounds = math.ceil(math.log2(world))
-    cases = [(src, dtype, shape) for src in range(world) for dtype in (torch.float32, torch.int64, torch.bfloat16)
+    cases = [(src, dtype, shape) for src in range(world)
+             for dtype in (torch.float32, torch.int64, torch.bfloat16)
              for shape in ((5,), (3 * world + 1,), (), (4, 6))]
     for i, (src, dtype, shape) in enumerate(cases):
-        label = f"case {i + 1} of {len(cases)} (src={src}, {_dtype(dtype)}, shape {tuple(shape)})"
+        label = (f"case {i + 1} of {len(cases)} (src={src}, {dtype_name(dtype)}, "
+                 f"shape {tuple(shape)})")
         g = torch.Generator().manual_seed(100 * rank + i)
         x = (torch.randn(shape, generator=g) * 100).to(dtype)  # a different tensor on every rank
-        inputs = _gather_tensors(x)  # everyone's input, to say whose tensor a rank ended up with
+        inputs = gather_tensors(x)  # everyone's input, to say whose tensor a rank ended up with
         with recording() as rec, watching(label):
             tree_broadcast(x, src)
-        results = _gather_tensors(x)
+        results = gather_tensors(x)
         problem = None
         if not torch.equal(x, inputs[src]):
             problem = _broadcast_problem(x, inputs, results, src, rank)
         elif rank == src and rec.count("send") > rounds:
-            problem = _problem(
-                f"the source sent {rec.count('send')} messages to reach {world} ranks: a binomial tree needs only "
-                f"ceil(log2 {world}) = {rounds} rounds, one send each for the source",
-                "in round k, every rank that already holds the data (vrank < 2**k) sends it to vrank + 2**k, so the "
-                "number of holders doubles each round; sending from the source to everyone is a line, not a tree")
+            problem = hinted(
+                f"the source sent {rec.count('send')} messages to reach {world} ranks. A binomial "
+                f"tree needs only ceil(log2 {world}) = {rounds} rounds, with one send each for the "
+                "source",
+                "in round k, every rank that already holds the data (vrank < 2**k) sends it to "
+                "vrank + 2**k. So the number of holders doubles each round. A source that sends to "
+                "everyone is a line, not a tree")
         elif rank != src and rec.count("recv") != 1:
-            problem = _problem(f"this rank received {rec.count('recv')} messages: each rank other than the source "
-                               "receives the data exactly once")
-        _agree(problem, label)
-    return [f"{len(cases)} cases on {world} ranks (every source, 3 dtypes, 4 shapes): equal to dist.broadcast, "
-            f"in place, the source sending {rounds} message{'s' * (rounds != 1)} (ceil(log2 {world}) rounds)"]
+            problem = hinted(f"this rank received {rec.count('recv')} messages. Each rank other "
+                             "than the source receives the data exactly once")
+        agree(problem, label)
+    sends = f"{rounds} message{'s' * (rounds != 1)}"
+    return [f"{len(cases)} cases on {world} ranks (every source, 3 dtypes, 4 shapes): equal to "
+            f"dist.broadcast, in place, with the source sending {sends} (ceil(log2 {world}) "
+            "rounds)"]
 
 
-RELATIVE_TO_SRC = ("the tree must start at src: number the ranks relative to it, vrank = (rank - src) % N, and turn "
-                   "a partner's vrank back into a rank with (vrank + src) % N")
+RELATIVE_TO_SRC = ("the tree must start at src. Number the ranks from it, with "
+                   "vrank = (rank - src) % N. Turn a partner's vrank back into a rank with "
+                   "(vrank + src) % N")
 
 
 def _broadcast_problem(x, inputs, results, src, rank):
     owner = next((k for k, t in enumerate(inputs) if torch.equal(x, t)), None)
     if owner is not None and owner != src and all(torch.equal(t, inputs[owner]) for t in results):
-        return _problem(f"every rank holds rank {owner}'s tensor, not the source's (src={src})",
-                        RELATIVE_TO_SRC)
+        return hinted(f"every rank holds rank {owner}'s tensor, not the source's (src={src})",
+                      RELATIVE_TO_SRC)
     if owner == rank:
-        return _problem(f"this rank's tensor still holds its own values, not rank {src}'s: nothing was received "
-                        "into it",
-                        "receive into `tensor` itself (in place): `tensor = tensor.clone()` or a new buffer leaves "
-                        "the caller's tensor unchanged; or the tree never reached this rank (vrank = (rank - src) % N; "
-                        "in round k, vranks 2**k .. 2**(k+1)-1 receive)")
+        return hinted(f"this rank's tensor still holds its own values, not rank {src}'s. Nothing "
+                      "was received into it",
+                      "receive into `tensor` itself, in place. `tensor = tensor.clone()` or a new "
+                      "buffer leaves the caller's tensor unchanged. Or the tree never reached this "
+                      "rank. With vrank = (rank - src) % N, round k reaches vranks 2**k to "
+                      "2**(k+1) - 1")
     if owner is not None:
-        return _problem(f"this rank holds rank {owner}'s tensor, not the source's (src={src})",
-                        RELATIVE_TO_SRC)
-    i = _first_difference(x, inputs[src])
-    return _problem(f"element {i}: expected {_num(inputs[src].reshape(-1)[i])} (rank {src}'s), got "
-                    f"{_num(x.reshape(-1)[i])}")
+        return hinted(f"this rank holds rank {owner}'s tensor, not the source's (src={src})",
+                      RELATIVE_TO_SRC)
+    i = first_difference(x, inputs[src])
+    return hinted(f"element {i} should be {num(inputs[src].reshape(-1)[i])} (rank {src}'s), but it "
+                  f"is {num(x.reshape(-1)[i])}")
 
 
 # --- rung 2: ring_all_reduce (03_all_reduce.py) ---
@@ -115,70 +127,79 @@ RING_TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-2, torc
 
 
 def ring_cases(world):
-    """(dtype, shape, transposed, kind): easy first, so the first failure is the simplest one."""
+    """(dtype, shape, transposed, kind), the easy ones first. The first failure is the simplest."""
     numels = [4 * world, 4 * world + 1, 7, 1000, (1 << 16) + 3, world + 1, world, world - 1, 2, 1]
     shapes = [(n,) for n in dict.fromkeys(numels) if n > 0] + [(), (3, 5, 7), (64, 33)]
-    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+              torch.uint8]
     for dtype in dtypes:
         for shape in shapes:
             for transposed in ([False, True] if len(shape) == 2 else [False]):
-                for kind in (["integer-valued", "random"] if dtype.is_floating_point else ["integer"]):
+                kinds = ["integer-valued", "random"] if dtype.is_floating_point else ["integer"]
+                for kind in kinds:
                     yield dtype, shape, transposed, kind
 
 
-def check_ring_all_reduce(ring_all_reduce):
-    """Equal to dist.all_reduce (exact for integer values, close for random floats), in place, bit-identical on
-    every rank, over sizes, shapes and dtypes; and the traffic of a ring: 2(N-1)/N of the tensor sent per rank."""
+def check_ring_all_reduce(ring_all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> list[str]:
+    """Equal to dist.all_reduce, over sizes, shapes and dtypes, in place, the same on every rank.
+
+    Integer values must match exactly, random floats closely. The traffic must be a ring's, 2(N-1)/N
+    of the tensor sent per rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cases = list(ring_cases(world))
     traffic = None
     for i, (dtype, shape, transposed, kind) in enumerate(cases):
-        label = (f"case {i + 1} of {len(cases) + 1} ({_dtype(dtype)}, shape {tuple(shape)}"
+        label = (f"case {i + 1} of {len(cases) + 1} ({dtype_name(dtype)}, shape {tuple(shape)}"
                  f"{', transposed' if transposed else ''}, {kind} values)")
         g = torch.Generator().manual_seed(1000 * rank + i)
         if kind == "random":
             x = torch.randn(shape, generator=g).to(dtype)
         else:
-            x = torch.randint(0 if dtype == torch.uint8 else -8, 4 if dtype == torch.uint8 else 8, shape, generator=g)
-            x = x.to(dtype)
+            low, high = (0, 4) if dtype == torch.uint8 else (-8, 8)
+            x = torch.randint(low, high, shape, generator=g).to(dtype)
         if transposed:
-            x = x.t()  # not contiguous: the result must still land in x itself
+            x = x.t()  # not contiguous, and the result must still land in x itself
         mine, lib = x.clone(), x.clone()
-        _all_reduce(lib)
+        uncounted_all_reduce(lib)
         with recording() as rec, watching(label):
             out = ring_all_reduce(x)
         problem = _ring_problem(out, x, mine, lib, kind, world)
         if problem is None and rec.count("collective"):
-            problem = _problem(f"ring_all_reduce called {', '.join(rec.names('collective'))}: the exercise is to "
-                               "build it from point-to-point messages (send/recv, isend/irecv)")
-        _agree(problem, label)
-        _agree(_differs_from_rank0([("the result", x)],
-                                   "each chunk must be summed by one rank only (its owner) and then copied to the "
-                                   "others, never summed again in another order: the owner's bits must go round"),
-               label)
+            problem = hinted(f"ring_all_reduce called {', '.join(rec.names('collective'))}. The "
+                             "exercise is to build it from point-to-point messages (send and recv, "
+                             "or isend and irecv)")
+        agree(problem, label)
+        agree(differs_from_rank0([("the result", x)],
+                                 "one rank, the chunk's owner, sums each chunk. The others copy "
+                                 "its result, and never sum again in another order. So the owner's "
+                                 "bits must go round"), label)
         if dtype == torch.float32 and shape == ((1 << 16) + 3,) and kind == "random":
             traffic = (rec.bytes("send"), x.numel() * x.element_size())
     label = f"case {len(cases) + 1} of {len(cases) + 1} (an empty tensor)"
     empty = torch.empty(0)
     with watching(label):
         out = ring_all_reduce(empty)
-    _agree(None if out is empty else _problem("an empty tensor must come back as itself (return tensor)"), label)
+    agree(None if out is empty
+          else hinted("an empty tensor must come back as itself (return tensor)"), label)
     sent, nbytes = traffic
-    bound = 2 * (world - 1) * math.ceil(nbytes / 4 / world) * 4  # 2(N-1) chunks, the largest one each time
-    _agree(None if sent <= bound else _problem(
-        f"this rank sent {sent:,} bytes to all-reduce {nbytes:,}: {sent / nbytes:.2f}x the tensor, where a ring "
-        f"sends 2(N-1)/N = {2 * (world - 1) / world:.2f}x",
-        "each step sends one chunk (1/N of the tensor) to the right neighbour, N-1 steps to reduce-scatter and N-1 "
-        "to all-gather; sending the whole tensor every step costs N/2 times more"), "the traffic check")
-    return [f"{len(cases) + 1} cases on {world} ranks (7 dtypes, odd sizes, fewer elements than ranks, a transposed "
-            "tensor, an empty one): equal to dist.all_reduce, in place, bit-identical on every rank; "
-            f"{sent / nbytes:.2f}x the tensor sent per rank (2(N-1)/N)"]
+    bound = 2 * (world - 1) * math.ceil(nbytes / 4 / world) * 4  # 2(N-1) chunks, each the largest
+    agree(None if sent <= bound else hinted(
+        f"this rank sent {sent:,} bytes to all-reduce {nbytes:,}. That is {sent / nbytes:.2f}x the "
+        f"tensor, where a ring sends 2(N-1)/N = {2 * (world - 1) / world:.2f}x",
+        "each step sends one chunk, 1/N of the tensor, to the right neighbour. The reduce-scatter "
+        "takes N-1 steps, and so does the all-gather. Sending the whole tensor every step costs "
+        "N/2 times more"), "the traffic check")
+    return [f"{len(cases) + 1} cases on {world} ranks (7 dtypes, odd sizes, fewer elements than "
+            "ranks, a transposed tensor, an empty one): equal to dist.all_reduce, in place, the "
+            f"same on every rank, bit for bit. Each rank sent {sent / nbytes:.2f}x the tensor "
+            "(2(N-1)/N)"]
 
 
 def _ring_problem(out, x, mine, lib, kind, world):
     got, want, own = x.reshape(-1), lib.reshape(-1), mine.reshape(-1)
     n = got.numel()
-    bounds = [(int(c[0]), int(c[-1])) if len(c) else None for c in torch.arange(n).tensor_split(world)]
+    bounds = [(int(c[0]), int(c[-1])) if len(c) else None
+              for c in torch.arange(n).tensor_split(world)]
 
     def close(a, b):
         if kind != "random":
@@ -186,85 +207,100 @@ def _ring_problem(out, x, mine, lib, kind, world):
         tol = RING_TOL[a.dtype]
         return torch.allclose(a.double(), b.double(), rtol=tol, atol=tol * world)
 
+    copy_back = ("if you worked on a copy, copy the result back with tensor.copy_(). "
+                 "tensor.contiguous() and .flatten() make a copy of a tensor that is not "
+                 "contiguous")
     if close(got, want):
         if out is x:
             return None
-        return _problem(f"ring_all_reduce returned {_kind_of(out)}, not the tensor it was given: return `tensor` "
-                        "(the sum is in it, in place)")
-    if torch.is_tensor(out) and out is not x and out.shape == x.shape and close(out.reshape(-1), want):
-        return _problem("ring_all_reduce returned the sum in a new tensor and left its argument unchanged: the "
-                        "contract is in place",
-                        "write the sum into `tensor` itself; if you worked on a copy (tensor.contiguous() or "
-                        ".flatten() of a non-contiguous tensor make one), copy the result back with tensor.copy_()")
+        return hinted(f"ring_all_reduce returned {kind_of(out)}, not the tensor it was given. "
+                      "Return `tensor`, which holds the sum")
+    returned_new = torch.is_tensor(out) and out is not x and out.shape == x.shape
+    if returned_new and close(out.reshape(-1), want):
+        return hinted("ring_all_reduce returned the sum in a new tensor, and left its argument "
+                      "unchanged. The sum must go into the argument, in place",
+                      "write the sum into `tensor` itself. And " + copy_back)
     if torch.equal(got, own):
-        return _problem("the tensor still holds this rank's own input: nothing was written into it",
-                        "sum in place; if you worked on a copy (tensor.contiguous() or .flatten() of a "
-                        "non-contiguous tensor make one), copy the result back with tensor.copy_()")
+        return hinted("the tensor still holds this rank's own input. Nothing was written into it",
+                      "sum in place. And " + copy_back)
     ok = [b is not None and close(got[b[0]:b[1] + 1], want[b[0]:b[1] + 1]) for b in bounds]
     twice = [b is not None and not ok[c] and close(got[b[0]:b[1] + 1], (want + own)[b[0]:b[1] + 1])
              for c, b in enumerate(bounds)]
-    i = _first_difference(got, want, close_enough=kind == "random", tol=RING_TOL.get(got.dtype, 0) * world)
+    i = first_difference(got, want, close_enough=kind == "random",
+                         tol=RING_TOL.get(got.dtype, 0) * world)
     c = next(k for k, b in enumerate(bounds) if b is not None and b[0] <= i <= b[1])
-    where = (f"chunk {c} of {world} (elements {bounds[c][0]}-{bounds[c][1]} of the flattened tensor, split with "
-             f"tensor_split({world})), element {i}: expected {_num(want[i])}, got {_num(got[i])}")
+    where = (f"chunk {c} of {world} (elements {bounds[c][0]}-{bounds[c][1]} of the flattened "
+             f"tensor, split with tensor_split({world})), element {i} should be {num(want[i])}, "
+             f"but it is {num(got[i])}")
     if any(twice):
-        return _problem(f"{where}: that chunk holds the sum plus this rank's own values",
-                        "in the all-gather, a finished chunk received from the left overwrites yours (copy_), it is "
-                        "not added: your own share is already in it")
+        return hinted(f"{where}. That chunk holds the sum plus this rank's own values",
+                      "in the all-gather, a finished chunk from the left overwrites yours (copy_). "
+                      "It is not added, because your own share is already in it")
     nonempty = [k for k, b in enumerate(bounds) if b is not None]
     if sum(ok) == 1 and len(nonempty) > 1:
-        return _problem(f"{where}: only chunk {ok.index(True)} holds the full sum on this rank (the chunk it owns "
-                        "after the reduce-scatter); the other chunks hold partial sums",
-                        "the all-gather phase seems missing (or sends unfinished chunks): after the reduce-scatter, "
-                        "N-1 more steps pass each finished chunk on, step s sending chunk (r + 1 - s) % N and "
-                        "overwriting chunk (r - s) % N with what arrives")
-    hint = ("check the chunk indices: in step s of the reduce-scatter, rank r sends chunk (r - s) % N to its right "
-            "and adds what it receives into chunk (r - s - 1) % N; in the all-gather it sends chunk (r + 1 - s) % N "
-            "and overwrites chunk (r - s) % N")
+        return hinted(f"{where}. Only chunk {ok.index(True)} holds the full sum on this rank, the "
+                      "chunk it owns after the reduce-scatter. The other chunks hold partial sums",
+                      "the all-gather phase seems missing, or it sends unfinished chunks. After "
+                      "the reduce-scatter, N-1 more steps pass each finished chunk on. Step s "
+                      "sends chunk (r + 1 - s) % N, and overwrites chunk (r - s) % N with what "
+                      "arrives")
+    hint = ("check the chunk indices. In step s of the reduce-scatter, rank r sends chunk (r - s) "
+            "% N to its right. It adds what it receives into chunk (r - s - 1) % N. In the "
+            "all-gather it sends chunk (r + 1 - s) % N, and overwrites chunk (r - s) % N")
     if n < world:
-        hint = (f"with fewer elements ({n}) than ranks ({world}) some chunks are empty: every rank must skip the same "
-                "empty chunks (or send them: a zero-size message is fine), and " + hint)
+        hint = (f"with fewer elements ({n}) than ranks ({world}), some chunks are empty. Every "
+                "rank must skip the same empty chunks, or send them, since a message of size zero "
+                "is fine. Also " + hint)
     elif n % world:
-        hint = (f"{n} elements do not split evenly into {world} chunks: chunk sizes differ by one, so a receive "
-                "buffer must have the size of the chunk it receives, not of your own; and " + hint)
-    return _problem(where, hint)
+        hint = (f"{n} elements do not split evenly into {world} chunks, so chunk sizes differ by "
+                "one. A receive buffer must have the size of the chunk it receives, not of your "
+                "own. Also " + hint)
+    return hinted(where, hint)
 
 
-def ring_speed(ring_all_reduce, numel=1 << 20, rounds=5):
-    """Information only: the ring's bus bandwidth against dist.all_reduce's on one size (benchmarks/all_reduce.py
-    measures every size). busbw = bytes / time * 2(N-1)/N, as nccl-tests define it."""
+def ring_speed(ring_all_reduce: Callable[[torch.Tensor], torch.Tensor], numel: int = 1 << 20,
+               rounds: int = 5) -> list[str]:
+    """For information only: the ring's bus bandwidth against dist.all_reduce's, at one size.
+
+    busbw = bytes / time * 2(N-1)/N, as nccl-tests define it. benchmarks/all_reduce.py measures
+    every size."""
     world = dist.get_world_size()
     x = torch.zeros(numel)  # sums of zeros stay zero over many calls
-    impls = {"ring": ring_all_reduce, "library": _all_reduce}
+    impls = {"ring": ring_all_reduce, "library": uncounted_all_reduce}
     times = {"ring": [], "library": []}
     for i in range(rounds + 1):  # round 0 warms up and is not timed
-        order = ["ring", "library"] if i % 2 else ["library", "ring"]  # the order flips: noise hits both alike
+        order = ["ring", "library"] if i % 2 else ["library", "ring"]  # flips, so noise hits both
         for name in order:
-            _barrier()
+            barrier()
             t0 = time.perf_counter()
             with watching("the speed measurement"):
                 impls[name](x)
             if i:
                 times[name].append(time.perf_counter() - t0)
     t = torch.tensor([times["ring"], times["library"]], dtype=torch.float64)
-    _all_reduce(t, op=dist.ReduceOp.MAX, group=_book())  # a collective is as slow as its slowest rank
+    # A collective is as slow as its slowest rank.
+    uncounted_all_reduce(t, op=dist.ReduceOp.MAX, group=book())
     ring_s, lib_s = t.median(dim=1).values.tolist()
     bus = numel * 4 * 2 * (world - 1) / world / 1e9
-    return [f"speed (information, not graded): {numel * 4 >> 20} MiB float32 on {world} ranks, median of {rounds}: "
-            f"your ring {bus / ring_s:.2f} GB/s busbw, dist.all_reduce {bus / lib_s:.2f} GB/s: {lib_s / ring_s:.2f}x "
-            f"the library (benchmarks/all_reduce.py measures every size)"]
+    return [f"speed, for information only: {numel * 4 >> 20} MiB of float32 on {world} ranks, the "
+            f"median of {rounds}. Your ring {bus / ring_s:.2f} GB/s busbw, dist.all_reduce "
+            f"{bus / lib_s:.2f} GB/s, so {lib_s / ring_s:.2f}x the library. "
+            "benchmarks/all_reduce.py measures every size"]
 
 
 # --- rung 3: DistributedSampler (04_sampler.py) ---
 def sampler_grid():
-    """(dataset size, replicas, shuffle, seed, drop_last): easy first, so the first failure is the simplest one."""
-    sizes, replicas = [10, 11, 17, 5, 3, 64, 101, 2, 1, 0], [2, 3, 4, 7, 1]  # in the order they are tried
+    """(dataset size, replicas, shuffle, seed, drop_last), the easy ones first."""
+    sizes, replicas = [10, 11, 17, 5, 3, 64, 101, 2, 1, 0], [2, 3, 4, 7, 1]  # in the order tried
     grid = itertools.product(sizes, replicas, [True, False], [0, 42], [False, True])
-    return sorted(grid, key=lambda c: (c[2], c[4], c[0] % c[1] != 0, c[3], sizes.index(c[0]), replicas.index(c[1])))
+    return sorted(grid, key=lambda c: (c[2], c[4], c[0] % c[1] != 0, c[3], sizes.index(c[0]),
+                                       replicas.index(c[1])))
 
 
-def check_sampler(DistributedSampler):
-    """Every rank's indices equal torch.utils.data.DistributedSampler's, over a grid of arguments and epochs."""
+def check_sampler(DistributedSampler: type) -> list[str]:
+    """Every rank's indices equal those of torch.utils.data.DistributedSampler.
+
+    The grid covers many arguments, and three epochs each."""
     cases = 0
     for n, replicas, shuffle, seed, drop_last in sampler_grid():
         data = list(range(n))
@@ -279,16 +315,18 @@ def check_sampler(DistributedSampler):
                 with watching(f"set_epoch({epoch})"):
                     s.set_epoch(epoch)
             want = [list(ref) for ref in refs]
-            with watching(f"iterating the samplers of range({n}) over {replicas} replicas, epoch {epoch}"):
+            with watching(f"iterating the samplers of range({n}) over {replicas} replicas, "
+                          f"epoch {epoch}"):
                 got, lengths = [list(s) for s in ours], [len(s) for s in ours]
             for r in range(replicas):
-                call = (f"DistributedSampler(range({n}), num_replicas={replicas}, rank={r}, shuffle={shuffle}, "
-                        f"seed={seed}, drop_last={drop_last}), epoch {epoch}")
+                call = (f"DistributedSampler(range({n}), num_replicas={replicas}, rank={r}, "
+                        f"shuffle={shuffle}, seed={seed}, drop_last={drop_last}), epoch {epoch}")
                 problem = _sampler_problem(got, want, first, r, n, kw, epoch, lengths[r])
                 if problem:
                     raise Failed(f"{call}: {problem}")
                 cases += 1
-    return [f"{cases} (arguments, rank, epoch) cases: every rank's indices equal torch's DistributedSampler's"]
+    return [f"{cases} cases of arguments, rank and epoch: every rank's indices equal those of "
+            "torch's DistributedSampler"]
 
 
 def _sampler_problem(got, want, first, r, n, kw, epoch, length):
@@ -296,51 +334,59 @@ def _sampler_problem(got, want, first, r, n, kw, epoch, length):
     mine, ref = got[r], want[r]
     if mine == ref:
         if length != len(ref):
-            return _problem(f"len() says {length}, but iterating gives {len(ref)} indices",
-                            "__len__ must return num_samples, the number of indices this rank yields")
+            return hinted(f"len() says {length}, but iterating gives {len(ref)} indices",
+                          "__len__ must return num_samples, the number of indices this rank yields")
         return None
-    said = f"this rank's indices are {_brief(mine)}, torch's {_brief(ref)}"
+    said = f"this rank's indices are {brief(mine)}, and torch's are {brief(ref)}"
     if len(mine) != len(ref):
         if drop_last:
-            return _problem(f"{said}: {len(mine)} indices, torch's {len(ref)}",
-                            f"with drop_last the tail is dropped: every rank gets floor({n} / {replicas}) = "
-                            f"{n // replicas} indices")
-        return _problem(f"{said}: {len(mine)} indices where torch gives {len(ref)}: no padding?",
-                        f"{n} samples do not split evenly over {replicas} ranks: pad the index list by repeating its "
-                        f"first indices up to ceil(n / N) * N = {len(ref) * replicas}, so every rank gets the same "
-                        "number of batches (a rank with one batch fewer leaves the others waiting in an all-reduce)")
+            return hinted(f"{said}. That is {len(mine)} indices, where torch gives {len(ref)}",
+                          "with drop_last the tail is dropped. Every rank gets "
+                          f"floor({n} / {replicas}) = {n // replicas} indices")
+        return hinted(f"{said}. That is {len(mine)} indices, where torch gives {len(ref)}. Is the "
+                      "padding missing?",
+                      f"{n} samples do not split evenly over {replicas} ranks. Pad the index list "
+                      f"with its own first indices, up to ceil(n / N) * N = {len(ref) * replicas}. "
+                      "Then every rank gets as many batches. A rank with one batch fewer leaves "
+                      "the others waiting in an all-reduce")
     if epoch > 0 and shuffle and n > 1 and mine == first[r] and ref != first[r]:
-        return _problem(f"{said}: set_epoch({epoch}) changed nothing, the order is epoch 0's",
-                        "seed the shuffle with seed + epoch (set_epoch stores the epoch), or every epoch replays "
-                        "the same order")
+        return hinted(f"{said}. set_epoch({epoch}) changed nothing, so the order is epoch 0's",
+                      "seed the shuffle with seed + epoch, where set_epoch stores the epoch. "
+                      "Otherwise every epoch replays the same order")
     if not shuffle:
         block = list(range(r * len(ref), min(n, (r + 1) * len(ref))))
-        hint = ("rank r takes every N-th index starting at r (indices[rank:total_size:num_replicas]), not a "
-                "contiguous block" if mine[:len(block)] == block else
-                "without shuffle the indices are 0..n-1 (padded by repeating the first ones), and rank r takes "
-                "indices[rank:total_size:num_replicas]")
-        return _problem(said, hint)
+        hint = ("rank r takes every N-th index starting at r, not a block in one piece. That is "
+                "indices[rank:total_size:num_replicas]" if mine[:len(block)] == block else
+                "without shuffle the indices are 0 to n-1, padded with the first ones. Rank r "
+                "takes indices[rank:total_size:num_replicas]")
+        return hinted(said, hint)
     everyone = [i for g in got for i in g]
     if sorted(everyone) != sorted(i for w in want for i in w):
-        return _problem(f"{said}: across the ranks some samples come twice and others never",
-                        "every rank must shuffle with the same permutation (a generator seeded with seed + epoch, "
-                        "the same on every rank, not with the rank) and then take its own every-N-th slice")
-    return _problem(f"{said}: over all {replicas} ranks together, your samplers yield the same samples as torch's "
-                    "(each exactly as often), but in another order: the permutation differs",
-                    "shuffle as torch does: g = torch.Generator(); g.manual_seed(seed + epoch); "
-                    "indices = torch.randperm(n, generator=g).tolist()")
+        return hinted(f"{said}. Across the ranks, some samples come twice and others never",
+                      "every rank must shuffle with the same permutation, from a generator seeded "
+                      "with seed + epoch, not with the rank. Then each rank takes its own "
+                      "every-N-th slice")
+    return hinted(f"{said}. Over all {replicas} ranks together, your samplers yield the same "
+                  "samples as torch's, each as often. But the order differs, so the permutation "
+                  "differs",
+                  "shuffle as torch does. Write g = torch.Generator(), then "
+                  "g.manual_seed(seed + epoch), then "
+                  "indices = torch.randperm(n, generator=g).tolist()")
 
 
 # --- rungs 4-6: DDP by hand, graded against PyTorch's DistributedDataParallel ---
 class TinyNet(nn.Module):
-    """The model the DDP rungs train: three layers, so there are three buckets of different sizes."""
+    """The model the DDP rungs train. It has three layers, so three buckets of different sizes."""
 
     def __init__(self):
         super().__init__()
         self.fc1, self.fc2, self.fc3 = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 4)
 
-    def forward(self, x):
-        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+    def forward(self, x, skip_fc2=False):
+        h = torch.tanh(self.fc1(x))
+        if not skip_fc2:  # rung 4 leaves fc2 out on one rank in one step, so no gradient there
+            h = torch.tanh(self.fc2(h))
+        return self.fc3(h)
 
 
 BUCKET_CAP_MB = 512 / 2**20  # 512 bytes: one bucket per layer of TinyNet (fc3, then fc2, then fc1)
@@ -348,14 +394,16 @@ LR, MOMENTUM, STEPS = 0.1, 0.9, 4
 
 
 class OrderNet(nn.Module):
-    """Rung 6's second model, whose gradients arrive in another order than DDP's buckets: `early`, registered last
-    (so in bucket 0), is used first in forward, so its gradients come last of all; `block` is used twice, in a skip
-    connection; `frozen` (requires_grad=False) sits between and has no gradient, no hook, no place in a bucket."""
+    """Rung 6's second model. Its gradients arrive in another order than DDP's buckets.
+
+    `early` is registered last, so it sits in bucket 0. But forward uses it first, so its
+    gradients come last of all. `block` is used twice, in a skip connection. `frozen` sits between.
+    It does not require a gradient, so it has no gradient, no hook and no place in a bucket."""
 
     def __init__(self):
         super().__init__()
-        self.fc1, self.block, self.frozen = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 32)
-        self.fc3, self.early = nn.Linear(32, 4), nn.Linear(8, 8)
+        self.fc1, self.block = nn.Linear(8, 32), nn.Linear(32, 32)
+        self.frozen, self.fc3, self.early = nn.Linear(32, 32), nn.Linear(32, 4), nn.Linear(8, 8)
         self.frozen.requires_grad_(False)
 
     def forward(self, x):
@@ -370,15 +418,17 @@ def tiny_net(seed, net=TinyNet):
 
 
 def batch(step, rank, micro=0):
-    """A different batch on every rank, step and micro-step (the same one for the participant and for DDP)."""
+    """A different batch on every rank, step and micro-step. The participant's and DDP's match."""
     g = torch.Generator().manual_seed(10_000 + 100 * step + 10 * micro + rank)
     return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
 
 
 def expected_buckets(module, cap_bytes):
-    """DDP's layout: the parameters that require a gradient in reverse registration order (backward usually
-    produces the last layer's gradients first), a bucket closed once it holds cap_bytes or more. For TinyNet this is
-    also the order backward produces; for OrderNet it is not."""
+    """DDP's layout of the buckets.
+
+    It takes the parameters that require a gradient in reverse registration order, since backward
+    usually produces the last layer's gradients first. It closes a bucket once it holds cap_bytes or
+    more. For TinyNet this is also the order backward produces. For OrderNet it is not."""
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     return _fill(reversed(params), cap_bytes)
 
@@ -395,24 +445,28 @@ def _fill(named, cap_bytes):
 
 
 class _Run:
-    """One rank of the comparison: the participant's model, PyTorch's DDP on the same start and data, and a plain
-    copy that computes this rank's own (unreduced) gradients, to tell the usual mistakes apart."""
+    """One rank of the comparison: the participant's model, and PyTorch's DDP on the same data.
+
+    A plain copy also computes this rank's own gradients, before any averaging. They tell the usual
+    mistakes apart."""
 
     def __init__(self, mine, seed, net=TinyNet, **ddp_kwargs):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.mine = mine  # the module whose parameters the participant's code updates
         self.names = [n for n, _ in mine.named_parameters()]
-        self.ref = DDP(tiny_net(seed, net), **ddp_kwargs)  # broadcasts rank 0's weights, as the wrappers must
+        self.ref = DDP(tiny_net(seed, net), **ddp_kwargs)  # broadcasts rank 0's weights
         self.local = tiny_net(0, net)
         self.opt = torch.optim.SGD(mine.parameters(), lr=LR, momentum=MOMENTUM)
         self.ref_opt = torch.optim.SGD(self.ref.parameters(), lr=LR, momentum=MOMENTUM)
-        self.exact = self.world == 2  # a/2 + b/2: one rounding, whatever the order; more ranks sum in other orders
+        # a/2 + b/2 has one rounding, whatever the order. More ranks add up in other orders.
+        self.exact = self.world == 2
         self.hooks = True  # the rung syncs from gradient hooks (rung 4 syncs after backward)
-        self.temporaries = 0  # rung 4: all-reduces of tensors that are neither a .grad nor a parameter
+        self.temporaries = 0  # rung 4: all-reduces of tensors that are neither a .grad nor a weight
 
-    def reference_backward(self, step, micros=1):
-        """DDP's gradients (accumulated over `micros` micro-batches, the first ones under no_sync) and this rank's
-        own gradients of the same weights and data."""
+    def reference_backward(self, step, micros=1, **forward_kwargs):
+        """DDP's gradients, and this rank's own gradients of the same weights and data.
+
+        They add up over `micros` micro-batches. All but the last run under no_sync."""
         self.local.load_state_dict(self.ref.module.state_dict())
         self.ref_opt.zero_grad()
         self.local.zero_grad()
@@ -420,58 +474,69 @@ class _Run:
             x, y = batch(step, self.rank, m)
             quiet = self.ref.no_sync() if m < micros - 1 else contextlib.nullcontext()
             with quiet:
-                F.mse_loss(self.ref(x), y).backward()
-            F.mse_loss(self.local(x), y).backward()
+                F.mse_loss(self.ref(x, **forward_kwargs), y).backward()
+            F.mse_loss(self.local(x, **forward_kwargs), y).backward()
 
     def compare_start(self, what):
-        """After construction: the participant's replicas must be rank 0's, as DDP's are."""
+        """After construction, the participant's replicas must hold rank 0's weights, as DDP's."""
         self.compare(what, [p.detach() for p in self.mine.parameters()],
-                     [p.detach() for p in self.ref.module.parameters()], "this rank's weights", "rank 0's",
-                     hint="replicas built with different seeds must start identical: broadcast rank 0's "
-                          "parameters in __init__ (dist.broadcast(p.data, src=0)), as DDP does")
+                     [p.detach() for p in self.ref.module.parameters()], "this rank's weights",
+                     "rank 0's",
+                     hint="replicas built with different seeds must start identical. Broadcast "
+                          "rank 0's parameters in __init__, with dist.broadcast(p.data, src=0), as "
+                          "DDP does")
 
     def compare_grads(self, label):
         grads = [p.grad for p in self.mine.parameters()]
         ref_grads = [p.grad for p in self.ref.module.parameters()]
-        local = [p.grad for p in self.local.parameters()]
+        local = [p.grad if p.grad is not None else torch.zeros_like(p)
+                 for p in self.local.parameters()]
         problem = None
         for name, got, want, own in zip(self.names, grads, ref_grads, local):
-            if want is None:  # a frozen parameter: no gradient under DDP either
-                problem = None if got is None else _problem(f"{name} is frozen (requires_grad=False) but its .grad "
-                                                            "was set", "leave frozen parameters alone, as DDP does")
+            if want is None:  # a frozen parameter, without a gradient under DDP either
+                problem = None if got is None else hinted(
+                    f"{name} is frozen (requires_grad=False), but its .grad was set",
+                    "leave frozen parameters alone, as DDP does")
             elif got is None:
-                problem = _problem(f"{name}.grad is None", "every parameter must hold its averaged gradient")
+                problem = hinted(f"{name}.grad is None",
+                                 "every parameter must hold its averaged gradient")
             elif not self._equal(got, want):
-                problem = _grad_problem(name, got, want, own, self.world, self.hooks, self.temporaries)
+                problem = _grad_problem(name, got, want, own, self.world, self.hooks,
+                                        self.temporaries)
             if problem:
                 break
-        _agree(problem, label)
-        _agree(_differs_from_rank0([(f"{n}.grad", g) for n, g in zip(self.names, grads) if g is not None],
-                                   "the gradients must be the same on every rank after averaging"), label)
+        agree(problem, label)
+        named = [(f"{n}.grad", g) for n, g in zip(self.names, grads) if g is not None]
+        agree(differs_from_rank0(named, "after averaging, the gradients must be the same on every "
+                                        "rank"), label)
 
     def step_and_compare(self, label):
         self.opt.step()
         self.ref_opt.step()
         self.compare(label, [p.detach() for p in self.mine.parameters()],
-                     [p.detach() for p in self.ref.module.parameters()], "weights after the optimizer step")
+                     [p.detach() for p in self.ref.module.parameters()],
+                     "weights after the optimizer step")
 
     def compare(self, label, tensors, refs, what, theirs="DDP's", hint=None):
         problem = None
         for name, got, want in zip(self.names, tensors, refs):
             if not self._equal(got, want):
-                i = _first_difference(got, want)
-                problem = _problem(f"{what}: {name}[{_index(got, i)}] is {_num(got.reshape(-1)[i])}, {theirs} "
-                                   f"{_num(want.reshape(-1)[i])}", hint)
+                i = first_difference(got, want)
+                problem = hinted(f"{what}: {name}[{index_of(got, i)}] is "
+                                 f"{num(got.reshape(-1)[i])}, {theirs} "
+                                 f"{num(want.reshape(-1)[i])}", hint)
                 break
-        _agree(problem, label)
+        agree(problem, label)
 
     def _equal(self, a, b):
         return torch.equal(a, b) if self.exact else torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
     def info(self, what):
-        how = ("bit for bit (2 ranks: a/2 + b/2 has one rounding whatever the order)" if self.exact
-               else f"within rtol 1e-5 ({self.world} ranks add in different orders)")
-        return f"{what} equal to PyTorch's DistributedDataParallel's, {how}, on every rank"
+        if self.exact:
+            how = "bit for bit (on 2 ranks, a/2 + b/2 has one rounding whatever the order)"
+        else:
+            how = f"within rtol 1e-5 ({self.world} ranks add up in different orders)"
+        return f"{what} equal to those of PyTorch's DistributedDataParallel, {how}, on every rank"
 
 
 def _grad_problem(name, got, want, own, world, hooks, temporaries=0):
@@ -479,65 +544,121 @@ def _grad_problem(name, got, want, own, world, hooks, temporaries=0):
         return torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
     if torch.equal(got, own) and temporaries:
-        return _problem(f"{name}.grad is this rank's own gradient, not the mean over ranks: your all-reduces summed "
-                        f"temporary tensors ({temporaries} of them), never .grad itself",
-                        "an expression such as p.grad / world is a new tensor: dist.all_reduce sums it in place, "
-                        "then it is thrown away. All-reduce p.grad itself, then divide it (p.grad /= world)")
+        return hinted(f"{name}.grad is this rank's own gradient, not the mean over the ranks. Your "
+                      f"all-reduces summed temporary tensors ({temporaries} of them), never .grad "
+                      "itself",
+                      "an expression such as p.grad / world makes a new tensor. dist.all_reduce "
+                      "sums it in place, and then it is thrown away. All-reduce p.grad itself, "
+                      "then divide it with p.grad /= world")
     if torch.equal(got, own):
-        return _problem(f"{name}.grad is this rank's own gradient, not the mean over ranks: it was not all-reduced",
-                        "every parameter's gradient must be all-reduced, biases too: "
-                        + ("a hook on every parameter that requires a gradient, and a bucket for each" if hooks else
-                           "loop over all of model.parameters() (those with requires_grad), not only the weights"))
+        where = ("put a hook on every parameter that requires a gradient, and each in a bucket"
+                 if hooks else "loop over all of model.parameters() that require a gradient, not "
+                 "only the weights")
+        return hinted(f"{name}.grad is this rank's own gradient, not the mean over the ranks. It "
+                      "was not all-reduced",
+                      f"every parameter's gradient must be all-reduced, biases too. So {where}")
     if close(got, want * world):
-        return _problem(f"{name}.grad is {world}x DDP's: the gradients were summed, not averaged",
-                        f"divide by the world size: multiply by 1/N (N = {world}), as DDP does")
+        return hinted(f"{name}.grad is {world}x DDP's. The gradients were summed, not averaged",
+                      f"divide by the world size, or multiply by 1/N as DDP does (N = {world})")
     if close(got, want / world):
-        return _problem(f"{name}.grad is 1/{world} of DDP's: divided by N twice")
+        return hinted(f"{name}.grad is 1/{world} of DDP's. It was divided by N twice")
     if close(got, own / world):
-        return _problem(f"{name}.grad is this rank's own gradient divided by N: the all-reduced values never "
-                        "reached .grad",
-                        "wait for each all-reduce before reading .grad, and reduce .grad itself (or copy the result "
-                        "back), not a temporary copy")
-    i = _first_difference(got, want)
-    return _problem(f"{name}.grad[{_index(got, i)}] is {_num(got.reshape(-1)[i])}, DDP's {_num(want.reshape(-1)[i])}")
+        return hinted(f"{name}.grad is this rank's own gradient divided by N. The all-reduced "
+                      "values never reached .grad",
+                      "wait for each all-reduce before you read .grad. Reduce .grad itself, or "
+                      "copy the result back, not a temporary copy")
+    i = first_difference(got, want)
+    return hinted(f"{name}.grad[{index_of(got, i)}] is {num(got.reshape(-1)[i])}, DDP's "
+                  f"{num(want.reshape(-1)[i])}")
 
 
-def check_average_gradients(average_gradients):
-    """Rung 4, the naive one: after backward, average_gradients(model, world) leaves DDP's gradients in .grad."""
+def _raced(launches, name_of, hint):
+    """A problem when a tensor changed in place while its asynchronous all-reduce still ran.
+
+    `name_of(tensor)` names the tensor in the message."""
+    raced = [c for c in launches if c.raced]
+    if not raced:
+        return None
+    return hinted(f"{name_of(raced[0].tensor)} changed (divided?) while its asynchronous "
+                  "all-reduce still ran. That is a race, and its result changes from run to "
+                  "run", hint)
+
+
+def _grad_names(module):
+    """A function that names a tensor after the parameter whose .grad it is ("fc2.weight.grad")."""
+    def name_of(t):
+        return next((f"{n}.grad" for n, p in module.named_parameters()
+                     if p.grad is not None and p.grad.data_ptr() == t.data_ptr()),
+                    "a temporary tensor")
+    return name_of
+
+
+def check_average_gradients(average_gradients: Callable[[nn.Module, int], object]) -> list[str]:
+    """Rung 4, the naive one. After backward, average_gradients(model, world) leaves DDP's .grad.
+
+    In the last step, rank 1 does not use fc2, so fc2 has no gradient there. The ranks compare each
+    all-reduce before it runs. So an answer that skips the missing gradient fails in one line,
+    never in a hang."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    run = _Run(tiny_net(0), seed=0)  # one seed everywhere: this rung has no wrapper to broadcast
+    # One seed everywhere, since this rung has no wrapper to broadcast. DDP must find unused fc2.
+    run = _Run(tiny_net(0), seed=0, find_unused_parameters=True)
     run.hooks = False
     for step in range(STEPS):
-        label = f"step {step + 1} of {STEPS}"
+        uneven = step == STEPS - 1
+        label = f"step {step + 1} of {STEPS}" + (" (fc2 unused on rank 1)" if uneven else "")
         x, y = batch(step, rank)
         run.opt.zero_grad()
-        F.mse_loss(run.mine(x), y).backward()
+        F.mse_loss(run.mine(x, skip_fc2=uneven and rank == 1), y).backward()
         before = [p.detach().clone() for p in run.mine.parameters()]
-        with recording() as rec, watching(label):
+        missing = gather_objects([n for n, p in run.mine.named_parameters() if p.grad is None])
+        out_of_step = functools.partial(_out_of_step, label=label, missing=missing)
+        with recording(lockstep=out_of_step, name_of=_grad_names(run.mine)) as rec, \
+                watching(label):
             average_gradients(run.mine, world)
-        grads = {p.grad.data_ptr(): f"{n}.grad" for n, p in run.mine.named_parameters() if p.grad is not None}
-        raced = [grads.get(c.tensor.data_ptr(), "a tensor") for c in rec.calls_of("all_reduce") if c.raced]
-        _agree(_problem(f"{raced[0]} was changed (divided?) while its asynchronous all-reduce was still "
-                        "running: a race, whose result changes from run to run",
-                        "wait for the all-reduce before touching the tensor: work = dist.all_reduce(p.grad, "
-                        "async_op=True), then work.wait(), then p.grad /= world") if raced else None, label)
-        ours = set(grads) | {p.data_ptr() for p in run.mine.parameters()}
+            rec.in_step()  # returned: the others must return too, after as many all-reduces
+        agree(_raced(rec.calls_of("all_reduce"), _grad_names(run.mine),
+                     "wait for the all-reduce before you touch its tensor. Write "
+                     "work = dist.all_reduce(p.grad, async_op=True), then work.wait(), then "
+                     "p.grad /= world"), label)
+        grads = {p.grad.data_ptr() for p in run.mine.parameters() if p.grad is not None}
+        ours = grads | {p.data_ptr() for p in run.mine.parameters()}
         run.temporaries = sum(c.tensor.data_ptr() not in ours for c in rec.calls_of("all_reduce"))
         run.compare(label, [p.detach() for p in run.mine.parameters()], before,
                     "average_gradients changed the weights", "before the call",
-                    hint="average_gradients must only change .grad (all-reduce p.grad, not p or p.data)")
-        run.reference_backward(step)
+                    hint="average_gradients must change .grad only. All-reduce p.grad, not p or "
+                         "p.data")
+        run.reference_backward(step, skip_fc2=uneven and rank == 1)
         run.compare_grads(label)
         run.step_and_compare(label)
-    return [run.info(f"gradients and weights over {STEPS} SGD steps on {world} ranks:")]
+    return [run.info(f"gradients and weights over {STEPS} SGD steps on {world} ranks:"),
+            "in the last step fc2 had no gradient on rank 1, and every rank still joined every "
+            "all-reduce"]
 
 
-def check_overlap(wrapper_class):
-    """Rung 5: one asynchronous all-reduce per parameter, launched from its hook during backward, waited for in
-    finish_gradient_synchronization()."""
+def _out_of_step(said, label, missing):
+    """The words for ranks whose all-reduces no longer pair up (see harness.Recorder.in_step)."""
+    k = said[0][0]
+    doing = [f"rank {r} has returned" if op is None
+             else f"rank {r} all-reduces {what} ({n} elements)"
+             for r, (_, op, n, what) in enumerate(said)]
+    gaps = [f"{', '.join(names)} had no gradient on rank {r}" for r, names in enumerate(missing)
+            if names]
+    return hinted(f"{label}: the ranks' all-reduces no longer pair up. At all-reduce {k}, "
+                  + ", but ".join(doing) + "."
+                  + (f" In this step {'; '.join(gaps)}." if gaps else ""),
+                  "every rank must join every all-reduce, in the same order, since the ranks pair "
+                  "them by their order. A parameter without a gradient on one rank joins there "
+                  "with zeros. Write `if p.grad is None: p.grad = torch.zeros_like(p)` before its "
+                  "all-reduce")
+
+
+def check_overlap(wrapper_class: type) -> list[str]:
+    """Rung 5. One asynchronous all-reduce per parameter, launched from its hook during backward.
+
+    finish_gradient_synchronization() waits for them all."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = tiny_net(rank)  # replicas differ: the wrapper must broadcast rank 0's
-    ready = _count_ready(base)
+    base = tiny_net(rank)  # the replicas differ, so the wrapper must broadcast rank 0's
+    ready = count_ready(base)
     with recording(), watching("the constructor"):
         model = wrapper_class(base)
     run = _Run(base, seed=rank)
@@ -554,63 +675,75 @@ def check_overlap(wrapper_class):
             rec.phase = "finish_gradient_synchronization()"
             model.finish_gradient_synchronization()
         launches = rec.calls_of("all_reduce")
-        _agree(_overlap_problem(launches, n, per_parameter=True), label)
+        agree(_overlap_problem(launches, n, per_parameter=True)
+              or _raced(launches, _grad_names(base), "divide before the launch, as DDP does, or "
+                        "after wait(), never between the two. Write p.grad.div_(world), then "
+                        "launch its all-reduce"), label)
         run.reference_backward(step)
         run.compare_grads(label)
         run.step_and_compare(label)
     return [run.info(f"start, gradients and weights over {STEPS} SGD steps on {world} ranks:"),
-            f"{n} asynchronous all-reduces a step, one per parameter, launched inside backward and waited for"]
+            f"{n} asynchronous all-reduces a step, one per parameter, launched inside backward and "
+            "waited for"]
 
 
 def _overlap_problem(launches, n, per_parameter, overlap=True):
     if not launches:
-        return _problem("no dist.all_reduce was called during the step",
-                        "launch the gradients' all-reduces from hooks (p.register_post_accumulate_grad_hook)")
+        return hinted("no dist.all_reduce was called during the step",
+                      "launch the gradients' all-reduces from hooks, with "
+                      "p.register_post_accumulate_grad_hook")
     inside = [c for c in launches if c.phase == "backward"]
     if not inside:
-        return _problem(f"all {len(launches)} all-reduces were launched after backward (in {launches[0].phase}): "
-                        "nothing overlaps backward",
-                        "launch each all-reduce from a hook as its gradient becomes ready "
-                        "(p.register_post_accumulate_grad_hook), with async_op=True, and only wait at the end")
+        return hinted(f"all {len(launches)} all-reduces were launched after backward, in "
+                      f"{launches[0].phase}. So nothing overlaps backward",
+                      "launch each all-reduce from a hook as its gradient becomes ready, with "
+                      "p.register_post_accumulate_grad_hook. Use async_op=True, and wait only at "
+                      "the end")
     blocking = [c for c in inside if not c.async_op]
     if blocking:
-        return _problem(f"{len(blocking)} of the all-reduces inside backward were blocking (async_op=False): "
-                        "backward stops at each one until it completes",
-                        "launch with async_op=True, keep the Work it returns, and wait for all of them at the end")
+        return hinted(f"{len(blocking)} of the all-reduces inside backward were blocking "
+                      "(async_op=False). Backward stops at each one until it completes",
+                      "launch with async_op=True, and keep the Work it returns. Wait for all of "
+                      "them at the end")
     if per_parameter and len(launches) != n:
-        return _problem(f"{len(launches)} all-reduces for {n} parameters: this rung sends one per parameter, "
-                        "each from its own parameter's hook")
+        return hinted(f"{len(launches)} all-reduces for {n} parameters. This rung sends one per "
+                      "parameter, each from its own parameter's hook")
     late = [c for c in launches if c.phase != "backward"]
     if late:
-        return _problem(f"{len(late)} of {len(launches)} all-reduces were launched after backward")
+        return hinted(f"{len(late)} of {len(launches)} all-reduces were launched after backward")
     if overlap and min(c.ready for c in inside) >= n:
-        return _problem(f"the first all-reduce was launched only once all {n} gradients were ready: nothing "
-                        "overlapped backward",
-                        "launch from the gradient hooks as soon as what you send is complete, not at the end")
+        return hinted(f"the first all-reduce was launched only once all {n} gradients were ready. "
+                      "So nothing overlapped backward",
+                      "launch from the gradient hooks as soon as what you send is complete, not at "
+                      "the end")
     unwaited = [c for c in launches if c.work is not None and not c.work.waited]
     if unwaited:
-        return _problem(f"{len(unwaited)} of {len(launches)} all-reduces were never waited for before the "
-                        "gradients were used",
-                        "call .wait() on every Work before backward's results are read (in "
-                        "finish_gradient_synchronization(), or a callback at the end of backward)")
+        return hinted(f"{len(unwaited)} of {len(launches)} all-reduces were never waited for "
+                      "before the gradients were used",
+                      "call .wait() on every Work before anyone reads backward's results. Do it in "
+                      "finish_gradient_synchronization(), or in a callback at the end of backward")
     return None
 
 
-def check_buckets(wrapper_class):
-    """Rung 6, 05's core: buckets in DDP's layout, each launched from the hooks as soon as it is complete, in bucket
-    order, multiplied by 1/N before the sum; no communication inside no_sync(). Graded on TinyNet (gradients arrive
-    in bucket order), then on OrderNet (they do not: a bucket launched as soon as it is full goes out of order)."""
+def check_buckets(wrapper_class: type) -> list[str]:
+    """Rung 6, the core of 05. Buckets in DDP's layout, each launched from the hooks once complete.
+
+    They go out in bucket order, each multiplied by 1/N before the sum. Nothing goes out inside
+    no_sync(). The check runs on TinyNet, whose gradients arrive in bucket order. Then it runs on
+    OrderNet, whose gradients do not. There a bucket launched as soon as it is full goes out of
+    turn."""
     info = _grade_buckets(wrapper_class, TinyNet, STEPS, accumulate=2)
     _grade_buckets(wrapper_class, OrderNet, 2, accumulate=None)
-    return [info[0], info[1] + "; the same on a model whose gradients arrive in another order than its buckets (a "
-            "parameter used first in forward, a layer used twice in a skip connection, a frozen layer between)"]
+    return [info[0], info[1] + ". The same holds on a model whose gradients arrive in another "
+            "order than its buckets (a layer used first, one used twice, a frozen one between)"]
 
 
 def _grade_buckets(wrapper_class, net, steps, accumulate):
     rank, world = dist.get_rank(), dist.get_world_size()
     base = tiny_net(rank, net)
-    ready = _count_ready(base)
-    model_label = "" if net is TinyNet else f", {net.__name__} (gradients arrive in another order than the buckets)"
+    ready = count_ready(base)
+    model_label = ("" if net is TinyNet
+                   else f", {net.__name__} (gradients arrive in another order than the buckets)")
     with recording(), watching("the constructor" + model_label):
         model = wrapper_class(base, bucket_cap_mb=BUCKET_CAP_MB)
     run = _Run(base, seed=rank, net=net, bucket_cap_mb=BUCKET_CAP_MB)
@@ -618,8 +751,9 @@ def _grade_buckets(wrapper_class, net, steps, accumulate):
     params = dict(base.named_parameters())
     layout = expected_buckets(base, int(BUCKET_CAP_MB * 2**20))
     sizes = [sum(params[name].numel() for name in b) for b in layout]
-    finish = getattr(model, "finish_gradient_synchronization", None)  # optional: DDP waits at the end of backward
-    rebuilt = None  # DDP's layout from the second step on: the order the first backward produced the gradients
+    # Optional, since DDP waits at the end of backward.
+    finish = getattr(model, "finish_gradient_synchronization", None)
+    rebuilt = None  # DDP's layout from the second step on, in the order the first backward produced
     for step in range(steps):
         label = f"step {step + 1} of {steps}" + (" (two micro-batches, the first under no_sync())"
                                                   if step == accumulate else "") + model_label
@@ -642,113 +776,136 @@ def _grade_buckets(wrapper_class, net, steps, accumulate):
             if problem is not None:
                 continue
             if not synced and launches:
-                problem = _problem(f"{len(launches)} all-reduces were launched during a backward inside no_sync()",
-                                   "inside no_sync() gradients accumulate locally, with no communication at all; "
-                                   "the next backward outside it averages the sum")
+                problem = hinted(f"{len(launches)} all-reduces were launched during a backward "
+                                 "inside no_sync()",
+                                 "inside no_sync() the gradients add up locally, with no "
+                                 "communication at all. The next backward outside it averages the "
+                                 "sum")
             elif synced:
                 arrived = _completion_order(layout, ready)
                 if rebuilt is None:
                     rebuilt = _fill([(n, params[n]) for n in ready[1]], int(BUCKET_CAP_MB * 2**20))
                 got = [c.numel for c in launches]
-                if step > 0 and got != sizes and got == [sum(params[n].numel() for n in b) for b in rebuilt]:
-                    used = rebuilt  # rebuilt as DDP does: in bucket order too, only another layout
-                    problem = _overlap_problem(launches, sum(map(len, rebuilt)), per_parameter=False,
-                                              overlap=net is TinyNet)
+                rebuilt_sizes = [sum(params[n].numel() for n in b) for b in rebuilt]
+                if step > 0 and got != sizes and got == rebuilt_sizes:
+                    used = rebuilt  # rebuilt as DDP does: another layout, still in bucket order
+                    problem = _overlap_problem(launches, sum(map(len, rebuilt)),
+                                               per_parameter=False, overlap=net is TinyNet)
                 else:
                     used = layout
                     problem = _bucket_problem(launches, sizes, layout, arrived, first=step == 0,
                                               overlap=net is TinyNet)
+                problem = problem or _raced(
+                    launches, _launch_names(launches), "multiply the bucket by 1/N before you "
+                    "launch its all-reduce, as DDP does. Leave the bucket alone between the launch "
+                    "and wait()")
         run.reference_backward(step, micros)
         if problem is None and step not in (0, accumulate):
             problem = _undivided(launches, used, run)
-        _agree(problem, label)
-        # Launch orders that differ between ranks pair different buckets in one all-reduce: say so before the
-        # gradients' comparison would only report a wrong number.
-        _agree(_orders_differ([c.numel for c in launches], sizes), label)
+        agree(problem, label)
+        # Ranks that launch in different orders pair different buckets in one all-reduce. Say so,
+        # before the comparison of the gradients reports only a wrong number.
+        agree(_orders_differ([c.numel for c in launches], sizes), label)
         run.compare_grads(label)
         run.step_and_compare(label)
-    return [run.info(f"start, gradients and weights over {steps} SGD steps (one with no_sync) on {world} ranks:"),
-            f"{len(sizes)} buckets of {sizes} elements (bucket_cap_mb={BUCKET_CAP_MB * 2**20:g} bytes), launched "
-            "asynchronously inside backward in bucket order, each multiplied by 1/N before the sum; nothing sent "
-            "inside no_sync()"]
+    return [run.info(f"start, gradients and weights over {steps} SGD steps (one with no_sync) on "
+                     f"{world} ranks:"),
+            f"{len(sizes)} buckets of {sizes} elements (bucket_cap_mb={BUCKET_CAP_MB * 2**20:g} "
+            "bytes), launched asynchronously inside backward, in bucket order, each multiplied by "
+            "1/N before the sum. Nothing went out inside no_sync()"]
+
+
+def _launch_names(launches):
+    """A function that names an all-reduced tensor by its place in the launch order ("bucket 1")."""
+    return lambda t: next(f"bucket {k}" for k, c in enumerate(launches) if c.tensor is t)
 
 
 def _completion_order(layout, ready):
-    """The buckets in the order their last gradient arrived in this backward (from _count_ready's record)."""
+    """The buckets in the order their last gradient arrived in this backward (from count_ready)."""
     arrival = {name: k for k, name in enumerate(ready[1])}
     done = [max((arrival.get(n, math.inf) for n in names), default=math.inf) for names in layout]
     return sorted(range(len(layout)), key=lambda k: done[k])
 
 
 PAIRED_BY_ORDER = (
-    "collectives are paired by the order each rank issues them, not by what they carry, so ranks whose gradients "
-    "arrive in different orders (a branch taken on one rank's data, a layer used twice, another CUDA stream) would "
-    "sum one rank's bucket {a} with another's bucket {b}: silently wrong gradients when the sizes match, gloo's "
-    "'Received data size doesn't match expected size' (and 'Connection reset by peer' on the other rank) when they "
-    "do not, and a hang when a rank issues an all-reduce the other never does")
+    "Collectives pair up by the order in which each rank issues them, not by what they carry. "
+    "Suppose the gradients arrive in different orders on different ranks, after a branch taken on "
+    "one rank's data, a layer used twice, or another CUDA stream. Then one rank's bucket {a} is "
+    "summed with another rank's bucket {b}. When their sizes match, the gradients come out "
+    "silently wrong. When they differ, gloo stops with 'Received data size doesn't match expected "
+    "size', and the other rank with 'Connection reset by peer'. When one rank issues an all-reduce "
+    "that the other never does, the run hangs")
 
 
 def _bucket_problem(launches, sizes, layout, arrived, first, overlap=True):
     got = [c.numel for c in launches]
     if first and got == [sum(sizes)]:
-        return None  # DDP's own first iteration: one bucket, rebuilt from the order backward produced
+        return None  # DDP's own first step: one bucket, rebuilt from the order backward produced
     if got != sizes:
         described = "; ".join(f"bucket {k}: {', '.join(b)} ({s} elements)" for k, (b, s) in
                               enumerate(zip(layout, sizes)))
         if sorted(got) == sorted(sizes):
             order = [sizes.index(n) for n in got]
             if order == arrived:
-                return _problem(
-                    f"buckets launched in the order their gradients arrived, not in bucket order: the all-reduces "
-                    f"carried buckets {order} ({got} elements); DDP's order is {list(range(len(sizes)))} "
-                    f"({described}). On this model the gradients arrive in another order than the buckets, so each "
-                    "bucket launched the moment it was full went out of turn. Every rank's gradients arrived in the "
-                    "same order here, so the sums matched; but "
-                    + PAIRED_BY_ORDER.format(a=order[0], b=0),
-                    "launch strictly in bucket order: when a bucket is complete, launch it only if every bucket "
-                    "before it has been launched, then the complete ones after it (keep the index of the next "
-                    "bucket to launch); a bucket that waits for an early-used parameter holds back the ones after it")
-            return _problem(f"buckets launched out of order: the all-reduces carried buckets {order} ({got} "
-                            f"elements), in this order; DDP's bucket order is {list(range(len(sizes)))} "
-                            f"({described})",
-                            "launch strictly in bucket order (bucket 0 holds the last registered parameters, whose "
-                            "gradients usually come first): " + PAIRED_BY_ORDER.format(a=order[0], b=0))
-        return _problem(f"the all-reduces carried {got} elements; DDP's buckets hold {sizes} ({described})",
-                        "walk the parameters that require a gradient in reverse order (gradients usually arrive back "
-                        "to front) and close a bucket once it holds bucket_cap_mb MiB or more; one all-reduce per "
-                        "bucket")
-    return _overlap_problem(launches, sum(len(b) for b in layout), per_parameter=False, overlap=overlap)
+                return hinted(
+                    "buckets launched in the order their gradients arrived, not in bucket order. "
+                    f"The all-reduces carried buckets {order} ({got} elements). DDP's order is "
+                    f"{list(range(len(sizes)))} ({described}). On this model the gradients arrive "
+                    "in another order than the buckets. So each bucket launched the moment it was "
+                    "full went out of turn. Here every rank's gradients arrived in the same order, "
+                    "so the sums matched. " + PAIRED_BY_ORDER.format(a=order[0], b=0),
+                    "launch strictly in bucket order. Keep the index of the next bucket to launch. "
+                    "When a bucket is complete, launch it only if every bucket before it has gone "
+                    "out, and then the complete ones after it. A bucket that waits for a parameter "
+                    "used early holds back the ones after it")
+            return hinted(f"buckets launched out of order. The all-reduces carried buckets {order} "
+                          f"({got} elements), in this order. DDP's bucket order is "
+                          f"{list(range(len(sizes)))} ({described})",
+                          "launch strictly in bucket order. Bucket 0 holds the last registered "
+                          "parameters, whose gradients usually come first. "
+                          + PAIRED_BY_ORDER.format(a=order[0], b=0))
+        return hinted(f"the all-reduces carried {got} elements, but DDP's buckets hold {sizes} "
+                      f"({described})",
+                      "walk the parameters that require a gradient in reverse order, since "
+                      "gradients usually arrive back to front. Close a bucket once it holds "
+                      "bucket_cap_mb MiB or more. Launch one all-reduce per bucket")
+    return _overlap_problem(launches, sum(len(b) for b in layout), per_parameter=False,
+                            overlap=overlap)
 
 
 def _orders_differ(got, sizes):
-    """A problem when the ranks launched their buckets in different orders (or different ones)."""
-    orders = _gather_objects(got)
+    """A problem when the ranks launched their buckets in different orders, or different buckets."""
+    orders = gather_objects(got)
     if all(o == orders[0] for o in orders):
         return None
     words = "; ".join(f"rank {k}: {o}" for k, o in enumerate(orders))
-    k = next(i for i in range(max(map(len, orders))) if len({tuple(o[i:i + 1]) for o in orders}) > 1)
-    return _problem(f"the ranks launched different all-reduces ({words} elements, in launch order): all-reduce "
-                    f"number {k + 1} of one rank was paired with a different bucket on another",
-                    "every rank must launch the same buckets in the same order, the bucket order, whatever order its "
-                    "gradients arrive in")
+    k = next(i for i in range(max(map(len, orders)))
+             if len({tuple(o[i:i + 1]) for o in orders}) > 1)
+    return hinted(f"the ranks launched different all-reduces ({words} elements, in launch order). "
+                  f"All-reduce number {k + 1} of one rank was paired with a different bucket on "
+                  "another",
+                  "every rank must launch the same buckets in the same order, the bucket order, "
+                  "whatever order its gradients arrive in")
 
 
 def _undivided(launches, layout, run):
-    """1/N before the sum: what each all-reduce carried, against this rank's own gradients of that bucket."""
+    """Whether each bucket was multiplied by 1/N before the sum.
+
+    It compares what each all-reduce carried with this rank's own gradients of that bucket."""
     own = dict(zip(run.names, (p.grad for p in run.local.parameters())))
     for k, (call, names) in enumerate(zip(launches, layout)):
         total = sum(own[n].double().abs().sum().item() for n in names)
         if total and call.abs_sum > 0.75 * total:
-            return _problem(f"bucket {k} went out undivided (its all-reduce carried this rank's gradients, not 1/N "
-                            "of them)",
-                            "multiply each bucket by 1/N before its all-reduce, as DDP does: a sum of N fp16 "
-                            "gradients can overflow where their mean would not")
+            return hinted(f"bucket {k} went out undivided. Its all-reduce carried this rank's "
+                          "gradients, not 1/N of them",
+                          "multiply each bucket by 1/N before its all-reduce, as DDP does. A sum "
+                          "of N fp16 gradients can overflow where their mean would not")
     return None
 
 
 # --- rung 7: ZeRO-1 (07_zero.py) ---
 class CountingSGD(torch.optim.SGD):
-    """The optimizer class the checker hands to ZeroDDP: it records how many elements each step updates."""
+    """The optimizer class that the checker hands to ZeroDDP. It notes what each step updates."""
 
     stepped = []
 
@@ -757,9 +914,11 @@ class CountingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def check_zero1(zero_class):
-    """Rung 7: ZeroDDP(module, optimizer_class, **defaults): gradients averaged as under DDP, each rank's optimizer
-    steps its own shard (1/N of the elements), the updated shards gathered: DDP + the same optimizer's weights."""
+def check_zero1(zero_class: type) -> list[str]:
+    """Rung 7, ZeroDDP(module, optimizer_class, **defaults). The weights must equal DDP's.
+
+    The gradients are averaged as under DDP. Each rank's optimizer steps its own shard, 1/N of the
+    elements. Then the ranks gather the updated shards."""
     rank, world = dist.get_rank(), dist.get_world_size()
     base = tiny_net(rank)
     with recording(), watching("the constructor"):
@@ -772,491 +931,104 @@ def check_zero1(zero_class):
         x, y = batch(step, rank)
         before = [p.detach().clone() for p in base.parameters()]
         CountingSGD.stepped = []
-        with recording(), watching(label):
+        with recording() as rec, watching(label):
             F.mse_loss(model(x), y).backward()
             model.step()
             model.zero_grad()
+        agree(_raced(rec.calls_of("all_reduce"), lambda t: "the tensor of an all-reduce",
+                     "scale the gradients before you launch their all-reduce, or after wait()"),
+              label)
         run.reference_backward(step)
         run.ref_opt.step()
         problem = None
-        for name, p, q, old in zip(run.names, base.parameters(), run.ref.module.parameters(), before):
+        for name, p, q, old in zip(run.names, base.parameters(), run.ref.module.parameters(),
+                                   before):
             if not run._equal(p.detach(), q.detach()):
                 problem = _zero_problem(name, p.detach(), q.detach(), old, world)
                 break
-        _agree(problem, label)
+        agree(problem, label)
         mine = max(CountingSGD.stepped, default=0)
-        shares = _gather_objects(mine)
+        shares = gather_objects(mine)
         problem = None
         if mine >= total:
-            problem = _problem(f"this rank's optimizer stepped all {total} elements: ZeRO-1 steps only this rank's "
-                               f"shard, about {total // world}",
-                               "give the optimizer only this rank's 1/N of the parameters (07 cuts each flat bucket "
-                               "into N equal shards); every rank's state is then 1/N of the whole")
+            problem = hinted(f"this rank's optimizer stepped all {total} elements. ZeRO-1 steps "
+                             f"only this rank's shard, about {total // world}",
+                             "give the optimizer only this rank's 1/N of the parameters. 07 cuts "
+                             "each flat bucket into N equal shards. Then each rank's state is 1/N "
+                             "of the whole")
         elif sum(shares) != total:
-            problem = _problem(f"the ranks' optimizers stepped {shares} elements, {sum(shares)} in all, for {total} "
-                               "parameters: the shards must cover every element exactly once")
-        _agree(problem, label)
-    return [run.info(f"start and weights over {STEPS} steps of SGD with momentum on {world} ranks:"),
-            f"each rank's optimizer steps {_gather_objects(max(CountingSGD.stepped, default=0))} of {total} "
-            "elements: state for its shard only"]
+            problem = hinted(f"the ranks' optimizers stepped {shares} elements, {sum(shares)} in "
+                             f"all, for {total} parameters. The shards must cover every element "
+                             "exactly once")
+        agree(problem, label)
+    shares = gather_objects(max(CountingSGD.stepped, default=0))
+    return [run.info(f"start and weights over {STEPS} steps of SGD with momentum on {world} "
+                     "ranks:"),
+            f"each rank's optimizer steps {shares} of {total} elements, and keeps state for its "
+            "shard only"]
 
 
 def _zero_problem(name, got, want, old, world):
     stale = (got == old) & (want != old)
     if stale.any():
         i = int(stale.reshape(-1).nonzero()[0])
-        return _problem(f"{name}: {int(stale.sum())} of {got.numel()} elements (the first at [{_index(got, i)}]) kept "
-                        "their old values where DDP's changed",
-                        "after stepping its own shard, each rank must all-gather the updated shards, so every rank "
-                        "ends with every parameter (and every element must belong to some rank's shard)")
+        return hinted(f"{name}: {int(stale.sum())} of {got.numel()} elements kept their old values "
+                      f"where DDP's changed. The first is at [{index_of(got, i)}]",
+                      "after it steps its own shard, each rank must all-gather the updated shards. "
+                      "Then every rank ends with every parameter. And every element must belong to "
+                      "some rank's shard")
     if torch.allclose(got - old, (want - old) * world, rtol=1e-4, atol=1e-7):
-        return _problem(f"{name}: the update is {world}x DDP's: the gradients were summed, not averaged",
-                        f"divide by the world size (N = {world}) before stepping")
-    i = _first_difference(got, want)
-    return _problem(f"weights after the step: {name}[{_index(got, i)}] is {_num(got.reshape(-1)[i])}, DDP's "
-                    f"{_num(want.reshape(-1)[i])}")
-
-
-EXERCISES = {
-    "tree_broadcast": Exercise(("tree_broadcast",), 4, check_tree_broadcast, "02_broadcast.py"),
-    "ring_all_reduce": Exercise(("ring_all_reduce",), 3, check_ring_all_reduce, "03_all_reduce.py", ring_speed),
-    "sampler": Exercise(("DistributedSampler",), 1, check_sampler, "04_sampler.py"),
-    "ddp_naive": Exercise(("average_gradients",), 2, check_average_gradients, "05_manual_ddp_gpt2.py"),
-    "ddp_overlap": Exercise(("OverlapDDP",), 2, check_overlap, "tests/exercise_solutions/ddp_overlap.py"),
-    "ddp_buckets": Exercise(("DDPCore",), 2, check_buckets, "05_manual_ddp_gpt2.py"),
-    "zero1": Exercise(("ZeroDDP",), 2, check_zero1, "07_zero.py"),
-}
-
-
-# --- one rank of the checker: join the group, load the file, grade it, say how it went ---
-def run_rank(name, path, rank, world, hang_s, speed=True):
-    """Grade `path` as exercise `name` on this rank; return a record for check.py (a dict, JSON-ready)."""
-    exercise, obj = EXERCISES[name], None
-    try:
-        if world > 1:
-            with watching("the start of the process group"):
-                dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=hang_s + 30))
-        install_counters()  # before the file is loaded, so `from torch.distributed import send` is counted too
-        with watching("the import of your file"):
-            obj = load(path, exercise.names)
-        info = exercise.check(obj)
-        if speed and exercise.speed:
-            info += exercise.speed(obj)
-        return {"status": "pass", "info": info}
-    except Failed as e:
-        return {"status": "fail", "message": str(e)}
-    except Exception as e:
-        frames = traceback.extract_tb(e.__traceback__)
-        frame = _frame_in(frames, path)
-        if isinstance(e, NotImplementedError) and frame is not None and frame is frames[-1]:
-            return {"status": "not_implemented", "where": _describe(frame), "name": getattr(obj, "__name__", None)}
-        where = _describe(frame)
-        if isinstance(e, SyntaxError):  # the file does not even compile: it has no frame of its own
-            where = {"file": os.path.basename(e.filename or path), "line": e.lineno, "function": None,
-                     "code": (e.text or "").strip()}
-        return {"status": "error", "time": time.time(), "message": f"{type(e).__name__}: {e}".strip(),
-                "where": where, "checker": None if where else _checker_frame(frames),
-                "label": _watchdog.label if _watchdog else None}
-
-
-def load(path, names):
-    """Import the participant's file (its folder on sys.path, so it may import its neighbours); return the first
-    of `names` it defines."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    spec = importlib.util.spec_from_file_location("participant_" + os.path.basename(path).split(".")[0], path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    for name in names:
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise Failed(f"{path} defines no {names[0]}: the checker grades that name (keep the stub's signature)")
-
-
-def _frame_in(frames, path):
-    mine = [f for f in frames if os.path.abspath(f.filename) == os.path.abspath(path)]
-    return mine[-1] if mine else None
-
-
-def _describe(frame):
-    if frame is None:
-        return None
-    return {"file": os.path.basename(frame.filename), "line": frame.lineno, "function": frame.name,
-            "code": (frame.line or "").strip()}
-
-
-def _checker_frame(frames):
-    ours = [f for f in frames if not f.filename.startswith(os.path.dirname(torch.__file__))]
-    return _describe(ours[-1]) if ours else None
-
-
-# --- agreement across ranks: every rank learns the first failure and raises it together ---
-_books = {}
-
-
-def _book():
-    """A process group of our own for the verdicts, apart from the one the participant's messages use."""
-    key = id(dist.group.WORLD)  # a new default group (the next init) needs a new one
-    if key not in _books:
-        _books[key] = dist.new_group(backend="gloo")
-    return _books[key]
-
-
-def _agree(problem, label):
-    """Raise Failed on every rank if `problem` (a message or None) is set on any, naming the lowest such rank."""
-    if not dist.is_initialized():
-        if problem:
-            raise Failed(f"{label}: {problem}")
-        return
-    flag = torch.tensor([0 if problem is None else 1])
-    _all_reduce(flag, op=dist.ReduceOp.MAX, group=_book())
-    if flag.item():
-        problems = _gather_objects(problem)
-        r = next(k for k, p in enumerate(problems) if p)
-        raise Failed(f"rank {r}, {label}: {problems[r]}")
-
-
-def _gather_objects(obj):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=_book())
-    return out
-
-
-def _gather_tensors(x):
-    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    _all_gather(out, x.contiguous(), group=_book())
-    return out
-
-
-def _barrier():
-    _all_reduce(torch.zeros(1), group=_book())
-
-
-def _differs_from_rank0(named, hint):
-    """A problem if any of the named tensors differs from rank 0's copy, bit for bit."""
-    for name, t in named:
-        ref = t.detach().contiguous().clone()
-        _broadcast(ref, src=0, group=_book())
-        if not torch.equal(ref, t.detach()):
-            i = _first_difference(t.detach(), ref)
-            return _problem(f"{name} differs from rank 0's at [{_index(t, i)}]: rank 0 has "
-                            f"{_num(ref.reshape(-1)[i])}, this rank {_num(t.detach().reshape(-1)[i])}", hint)
-    return None
-
-
-# --- counting what a solution sends: wrappers around torch.distributed's functions ---
-_all_reduce, _broadcast, _all_gather = dist.all_reduce, dist.broadcast, dist.all_gather  # the checker's own
-KINDS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv", "all_reduce": "collective",
-         "broadcast": "collective", "all_gather_into_tensor": "collective", "all_gather_single": "collective",
-         "reduce_scatter_tensor": "collective", "reduce_scatter_single": "collective", "all_gather": "collective"}
-
-
-@dataclass
-class Call:
-    op: str
-    numel: int
-    nbytes: int
-    async_op: bool
-    phase: str
-    ready: int  # gradients ready when it was launched (see _count_ready)
-    abs_sum: float  # all_reduce: sum of |x| at launch (was the bucket multiplied by 1/N before?)
-    peer: int = None  # send/recv: the rank it sends to or receives from (None: a recv from any source)
-    work: object = None
-    tensor: object = None  # all_reduce: the tensor reduced in place, and its version counter at launch: an
-    version: int = 0  # in-place change before wait() (p.grad /= world) races with the reduction
-    raced: bool = False  # changed in place while in flight
-
-    def describe(self):
-        """What this rank is doing, in words: 'sending 5 elements to rank 2'."""
-        if KINDS[self.op] == "send":
-            return f"sending {self.numel} elements to rank {self.peer}"
-        if KINDS[self.op] == "recv":
-            return f"receiving {self.numel} elements from " + ("any rank" if self.peer is None else f"rank {self.peer}")
-        return f"in dist.{self.op} of {self.numel} elements"
-
-
-class _Tracked:
-    """A Work returned to the participant, noting whether anyone waited for it (and, for a hang report, which
-    call the rank is waiting for)."""
-
-    def __init__(self, work, call, recorder):
-        self._work, self.waited, self._call, self._recorder = work, False, call, recorder
-
-    def wait(self, *args, **kwargs):
-        self.waited = True
-        call = self._call
-        if call.tensor is not None and call.tensor._version != call.version:
-            call.raced = True
-        self._recorder.waiting = call
-        try:
-            result = self._work.wait(*args, **kwargs)
-        except BaseException:
-            self._recorder.failed = call
-            raise
-        finally:
-            self._recorder.waiting = None
-        return result
-
-    def get_future(self):
-        self.waited = True  # whoever takes the future waits through it
-        return self._work.get_future()
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-class _Recorder:
-    def __init__(self, ready=None):
-        self.calls, self.phase, self.ready, self.inside = [], "forward", ready, False
-        self.waiting = None  # the call whose blocking function, or whose Work's wait(), the rank is in
-        self.failed = None  # the call whose blocking function, or wait(), raised (a timeout: where the rank waited)
-
-    def count(self, kind):
-        return sum(1 for c in self.calls if KINDS[c.op] == kind)
-
-    def bytes(self, kind):
-        return sum(c.nbytes for c in self.calls if KINDS[c.op] == kind)
-
-    def names(self, kind):
-        return sorted({f"dist.{c.op}" for c in self.calls if KINDS[c.op] == kind})
-
-    def calls_of(self, op):
-        return [c for c in self.calls if c.op == op]
-
-
-_recorder = _last = None  # the recording now, the latest one (a hang report's: what this rank issued)
-
-
-@contextlib.contextmanager
-def recording(ready=None):
-    """Record the calls into torch.distributed made inside; `ready`, from _count_ready, counts gradients."""
-    global _recorder, _last
-    _recorder = _last = _Recorder(ready)
-    if ready is not None:
-        ready[0] = 0
-        ready[1].clear()
-    try:
-        yield _recorder
-    finally:
-        _recorder = None
-
-
-def _count_ready(module):
-    """Hooks, registered before the participant's, counting the gradients autograd has produced so far."""
-    ready = [0, []]  # how many so far, their names in arrival order
-    names = {p: n for n, p in module.named_parameters()}
-
-    def hook(p):
-        ready[0] += 1
-        ready[1].append(names[p])
-
-    for p in module.parameters():
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(hook)
-    return ready
-
-
-def _counted(op, fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        rec = _recorder
-        if rec is None or rec.inside:  # torch's send calls isend: count the outer call only
-            return fn(*args, **kwargs)
-        t = args[0] if args else next((v for v in kwargs.values() if torch.is_tensor(v)), None)
-        if isinstance(t, list):  # all_gather's list of outputs: count its input instead
-            t = args[1] if len(args) > 1 else kwargs.get("tensor")
-        if not torch.is_tensor(t):
-            t = torch.empty(0)
-        call = Call(op, t.numel(), t.numel() * t.element_size(),
-                    async_op=bool(kwargs.get("async_op", op in ("isend", "irecv"))), phase=rec.phase,
-                    ready=rec.ready[0] if rec.ready else 0,
-                    abs_sum=t.detach().double().abs().sum().item() if op == "all_reduce" else 0.0,
-                    peer=_peer(op, args, kwargs))
-        if op == "all_reduce":
-            call.tensor, call.version = t, t._version
-        rec.calls.append(call)
-        rec.inside, rec.waiting = True, call
-        try:
-            work = fn(*args, **kwargs)
-        except BaseException:
-            rec.failed = call
-            raise
-        finally:
-            rec.inside, rec.waiting = False, None
-        if (op == "all_reduce" or KINDS[op] in ("send", "recv")) and work is not None:
-            work = call.work = _Tracked(work, call, rec)
-        return work
-    wrapper.counted = True
-    return wrapper
-
-
-def _peer(op, args, kwargs):
-    """The rank a send goes to or a recv comes from (batch_isend_irecv passes group_dst / group_src: on the
-    default group, the same numbers)."""
-    if KINDS[op] not in ("send", "recv"):
-        return None
-    key = "dst" if KINDS[op] == "send" else "src"
-    peer = args[1] if len(args) > 1 else kwargs.get(key, kwargs.get(f"group_{key}"))
-    return peer if isinstance(peer, int) else None
-
-
-def install_counters():
-    """Replace torch.distributed's point-to-point and collective functions with counting ones (once; they count
-    only inside recording()). Both namespaces: batch_isend_irecv checks `op is isend` in distributed_c10d."""
-    for op in KINDS:
-        fn = getattr(dist, op, None)
-        if fn is None or getattr(fn, "counted", False):
-            continue
-        wrapped = _counted(op, fn)
-        setattr(dist, op, wrapped)
-        if getattr(c10d, op, None) is fn:
-            setattr(c10d, op, wrapped)
-
-
-# --- the watchdog: a hang becomes the place where each rank waits ---
-_watchdog = None
-
-
-def watching(label):
-    return _watchdog.watch(label) if _watchdog else contextlib.nullcontext()
-
-
-class Watchdog:
-    """A thread that, when the main thread has spent more than hang_s seconds in one watched call (or when check.py
-    asks, by creating `request`), writes where the main thread is to `out`: the innermost line of `participant`."""
-
-    def __init__(self, hang_s, out, request, participant):
-        self.hang_s, self.out, self.request, self.participant = hang_s, out, request, os.path.abspath(participant)
-        self.label, self.since, self.main = None, None, threading.main_thread().ident
-        threading.Thread(target=self._run, daemon=True).start()
-
-    @contextlib.contextmanager
-    def watch(self, label):
-        self.label, self.since = label, time.monotonic()
-        try:
-            yield
-        finally:
-            self.since = None
-
-    def _run(self):
-        while True:
-            time.sleep(0.05)
-            since = self.since
-            if os.path.exists(self.request) or (since is not None and time.monotonic() - since > self.hang_s):
-                self._dump(since)
-                return
-
-    def _dump(self, since):
-        frame = sys._current_frames().get(self.main)
-        stack = traceback.extract_stack(frame) if frame is not None else []
-        mine = _frame_in(stack, self.participant)
-        ours = [f for f in stack if f.filename == __file__]
-        record = hang_record(_describe(mine), _describe(ours[-1]) if ours else None)
-        record.update(label=self.label if since is not None else None,
-                      waited_s=None if since is None else round(time.monotonic() - since, 1))
-        tmp = self.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, self.out)
-
-
-def hang_record(where, checker):
-    """Where this rank waits (`where`: the participant's line, from _describe; `checker`: the checker's, when the
-    participant's code had returned) and for what: the call it is in, or whose timeout it raised, and the
-    collectives it issued in the latest recording. check.py's diagnosis reads one per rank."""
-    rec = _recorder or _last
-    call = rec and (rec.waiting or rec.failed)
-    return {"status": "hang", "where": where, "checker": checker,
-            "call": call and {"op": call.op, "kind": KINDS[call.op], "peer": call.peer, "numel": call.numel,
-                              "text": call.describe()},
-            # ranks that issued different collectives (another order, one fewer) wait for each other forever
-            "collectives": [[c.op, c.numel] for c in rec.calls if KINDS[c.op] == "collective"] if rec else []}
-
-
-def start_watchdog(hang_s, out, request, participant):
-    global _watchdog
-    _watchdog = Watchdog(hang_s, out, request, participant)
-
-
-# --- small helpers for messages ---
-def _dtype(dtype):
-    return str(dtype).replace("torch.", "")
-
-
-def _num(x):
-    v = x.item() if torch.is_tensor(x) else x
-    return f"{v:.6g}" if isinstance(v, float) else str(v)
-
-
-def _kind_of(obj):
-    return "None" if obj is None else f"a {type(obj).__name__}"
-
-
-def _index(t, i):
-    """Flat index i as an index into t's shape."""
-    if t.dim() <= 1:
-        return str(i)
-    idx = []
-    for size in reversed(t.shape):
-        idx.append(i % size)
-        i //= size
-    return ", ".join(map(str, reversed(idx)))
-
-
-def _first_difference(a, b, close_enough=False, tol=0.0):
-    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
-    if close_enough:
-        differs = ~torch.isclose(a.double(), b.double(), rtol=tol, atol=tol)
-    else:
-        differs = a != b
-    hits = differs.nonzero()
-    return int(hits[0]) if len(hits) else 0
-
-
-def _brief(indices, shown=12):
-    return str(indices) if len(indices) <= shown else str(indices[:shown])[:-1] + f", ... ({len(indices)} in all)]"
+        return hinted(f"{name}: the update is {world}x DDP's. The gradients were summed, not "
+                      "averaged",
+                      f"divide by the world size (N = {world}) before the step")
+    i = first_difference(got, want)
+    return hinted(f"weights after the step: {name}[{index_of(got, i)}] is "
+                  f"{num(got.reshape(-1)[i])}, DDP's {num(want.reshape(-1)[i])}")
 
 
 # --- rung 8: find the bug (09_debugging.py) ---
-def check_find_the_bug(train):
-    """Rung 8: after train(model, batches) every rank holds the same model, bit for bit (check_replicas), and
-    its parameters are those of SGD on the rank-averaged gradient, clipped on every rank."""
+def check_find_the_bug(train: Callable[[nn.Module, list], object]) -> list[str]:
+    """Rung 8. After train(model, batches), every rank holds the same model, bit for bit.
+
+    check_replicas says whether they do. The parameters must also be those of SGD on the gradient
+    averaged over the ranks, clipped on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     debug_tools = lessons.load("debug_tools.py")
     torch.manual_seed(0)  # the same model on every rank, as the exercise's own run builds it
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
     want = _bug_reference(model, world, lr=0.1, max_norm=0.5)
     g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(8, 6, generator=g) * 3, torch.randn(8, 1, generator=g)) for _ in range(6)]
+    batches = [(torch.randn(8, 6, generator=g) * 3, torch.randn(8, 1, generator=g))
+               for _ in range(6)]
     with watching("train(model, batches)"):
         train(model, batches)
     try:
         debug_tools.check_replicas(model)
         problem = None
     except RuntimeError as e:
-        problem = _problem(f"after train(), {e}",
-                           "look for a step only some ranks take (code under `if rank == 0`) and for state no "
-                           "gradient average touches (BatchNorm's running statistics are buffers: average them "
-                           "over the ranks, or broadcast rank 0's)")
-    _agree(problem, "the replicas")
+        problem = hinted(f"after train(), {e}",
+                         "look for a step that only some ranks take, such as code under "
+                         "`if rank == 0`. Look also for state that no gradient average touches. "
+                         "BatchNorm's running statistics are buffers. Average them over the ranks, "
+                         "or broadcast rank 0's")
+    agree(problem, "the replicas")
     for name, p in model.named_parameters():
         if problem is None and not torch.allclose(p, want[name], rtol=1e-4, atol=1e-6):
-            problem = _problem(f"{name} is not what SGD on the averaged, clipped gradient gives (identical on every "
-                               "rank, but wrong)", "average every gradient, clip the average on every rank, step")
-    _agree(problem, "the parameters")
-    return [f"6 steps on {world} ranks: every parameter and buffer identical on every rank (check_replicas), the "
-            "parameters those of SGD on the averaged, clipped gradient"]
+            problem = hinted(f"{name} is not what SGD on the averaged, clipped gradient gives. It "
+                             "is the same on every rank, but wrong",
+                             "average every gradient, clip the average on every rank, then step")
+    agree(problem, "the parameters")
+    return [f"6 steps on {world} ranks: every parameter and buffer the same on every rank "
+            "(check_replicas), and the parameters those of SGD on the averaged, clipped gradient"]
 
 
 def _bug_reference(model, world, lr, max_norm):
-    """The parameters train() must reach: every rank's batches in one process, their mean gradient clipped."""
-    import copy
+    """The parameters that train() must reach, from every rank's batches in one process."""
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     gens = [torch.Generator().manual_seed(r) for r in range(world)]
-    data = [[(torch.randn(8, 6, generator=g) * 3, torch.randn(8, 1, generator=g)) for _ in range(6)] for g in gens]
+    data = [[(torch.randn(8, 6, generator=g) * 3, torch.randn(8, 1, generator=g))
+             for _ in range(6)] for g in gens]
     for step in range(6):
         grads = []
         for r in range(world):
@@ -1264,10 +1036,24 @@ def _bug_reference(model, world, lr, max_norm):
             F.mse_loss(model(data[r][step][0]), data[r][step][1]).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
         for p, *gs in zip(model.parameters(), *grads):
-            p.grad = sum(gs) / world
+            p.grad = sum(gs) / world  # the mean gradient, then clipped as one
         nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
     return dict(model.named_parameters())
 
 
-EXERCISES["find_the_bug"] = Exercise(("train",), 2, check_find_the_bug, "tests/exercise_solutions/find_the_bug.py")
+# --- the ladder: every rung, in order. check.py and the notebooks read it here ---
+EXERCISES = {
+    "tree_broadcast": Exercise(("tree_broadcast",), 4, check_tree_broadcast, "02_broadcast.py"),
+    "ring_all_reduce": Exercise(("ring_all_reduce",), 3, check_ring_all_reduce, "03_all_reduce.py",
+                                ring_speed),
+    "sampler": Exercise(("DistributedSampler",), 1, check_sampler, "04_sampler.py"),
+    "ddp_naive": Exercise(("average_gradients",), 2, check_average_gradients,
+                          "05_manual_ddp_gpt2.py"),
+    "ddp_overlap": Exercise(("OverlapDDP",), 2, check_overlap,
+                            "exercises/solutions/ddp_overlap.py"),
+    "ddp_buckets": Exercise(("DDPCore",), 2, check_buckets, "05_manual_ddp_gpt2.py"),
+    "zero1": Exercise(("ZeroDDP",), 2, check_zero1, "07_zero.py"),
+    "find_the_bug": Exercise(("train",), 2, check_find_the_bug,
+                             "exercises/solutions/find_the_bug.py"),
+}

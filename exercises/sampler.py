@@ -1,4 +1,4 @@
-"""Rung 3: DistributedSampler by hand (the lesson: 04_sampler.py).
+"""Rung 3: DistributedSampler by hand. The lesson is 04_sampler.py.
 
 Check it:  python exercises/check.py sampler
 """
@@ -8,26 +8,28 @@ import torch.distributed as dist  # noqa: F401  (you will need it)
 
 
 class DistributedSampler(torch.utils.data.Sampler):
-    """Give rank ``rank`` of ``num_replicas`` its share of ``dataset``'s indices: exactly the indices that
-    torch.utils.data.DistributedSampler yields with the same arguments.
+    """Give rank ``rank`` of ``num_replicas`` its share of ``dataset``'s indices.
 
-    Contract (torch's):
-      - num_replicas and rank default to the process group's world size and rank;
-      - every rank gets the same number of indices, ceil(n / N): the index list is padded by repeating its
-        first indices up to a multiple of N; with drop_last, the tail is dropped instead (floor(n / N) each);
-      - rank r takes every N-th index, starting at r;
-      - shuffle: one permutation shared by all ranks, from torch.randperm(n, generator=g) with
-        g = torch.Generator() seeded with seed + epoch; set_epoch(epoch) changes it for the next epoch;
+    Contract (that of torch.utils.data.DistributedSampler, whose indices it must match):
+      - num_replicas and rank default to the process group's world size and rank.
+      - Every rank gets the same number of indices, ceil(n / N). For that, the index list is padded
+        with its own first indices, up to a multiple of N. With drop_last, the tail is dropped
+        instead, and every rank gets floor(n / N).
+      - Rank r takes every N-th index, starting at r.
+      - With shuffle, all ranks share one permutation, torch.randperm(n, generator=g). Here
+        g = torch.Generator() is seeded with seed + epoch, and set_epoch(epoch) sets the epoch.
       - len(sampler) is the number of indices this rank yields.
-    The checker compares every rank's indices with torch's over a grid of sizes, replica counts, seeds and
-    epochs (no processes needed: it passes num_replicas and rank).
+    The checker compares every rank's indices with torch's, over a grid of arguments and epochs.
+    It starts no processes, since it passes num_replicas and rank.
 
     Hints:
-      - the padding and the striding come after the shuffle, in that order;
-      - compute num_samples and total_size in __init__, the indices in __iter__ (the epoch may change).
+      - Shuffle first, then pad, then take every N-th index.
+      - Compute num_samples and total_size in __init__. Compute the indices in __iter__, because
+        the epoch may change.
     """
 
-    def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0, drop_last=False):
+    def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0,
+                 drop_last=False):
         raise NotImplementedError
 
     def set_epoch(self, epoch):

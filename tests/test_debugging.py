@@ -129,7 +129,7 @@ def test_a_scenario_needs_two_ranks_a_known_name_and_broken_one_scenario(launche
 def find_the_bug(folder):
     verdicts = folder / "v.json"
     return launch.run([sys.executable, "exercises/check.py", "find_the_bug", "--file", "exercises/find_the_bug.py",
-                       "--file", "tests/exercise_solutions/find_the_bug.py", "--json", str(verdicts)],
+                       "--file", "exercises/solutions/find_the_bug.py", "--json", str(verdicts)],
                       timeout=300), verdicts
 
 

@@ -1,7 +1,7 @@
 """exercises/check.py is tested (issue #32): the project's own code passes every rung, the stubs say "not
 implemented", planted mistakes fail with the message that names them, and a deadlock ends in bounded time.
 
-A planted mistake is a small edit of a correct participant's solution (tests/exercise_solutions/NAME.py), written
+A planted mistake is a small edit of a correct participant's solution (exercises/solutions/NAME.py), written
 to a temporary folder. One check.py run per rung grades all of its files (the ranks are forked from one process that
 imported torch once); the module's runs start together, two at a time (one check.py mostly keeps one core busy, and
 a planted hang waits), and each test reads its own.
@@ -14,13 +14,13 @@ import pytest
 
 import launch
 
-SOLUTIONS = launch.REPO / "tests" / "exercise_solutions"
+SOLUTIONS = launch.REPO / "exercises" / "solutions"
 PROJECT = {  # the project's own implementation of each rung
     "tree_broadcast": "02_broadcast.py",
     "ring_all_reduce": "03_all_reduce.py",
     "sampler": "04_sampler.py",
     "ddp_naive": "05_manual_ddp_gpt2.py",
-    "ddp_overlap": "tests/exercise_solutions/ddp_overlap.py",  # no numbered script stops at this rung
+    "ddp_overlap": "exercises/solutions/ddp_overlap.py",  # no numbered script stops at this rung
     "ddp_buckets": "05_manual_ddp_gpt2.py",
     "zero1": "07_zero.py",
 }
@@ -34,12 +34,16 @@ VARIANTS = {
     "zero1": ["zero1_whole.py"],  # whole parameters per rank, not flat shards
 }
 ARRIVAL_ORDER = [  # each bucket launched the moment it is full: in gradient-arrival order, not bucket order
-    ("        while self.next < len(self.buckets) and self.buckets[self.next][2] == 0:  # strictly in bucket order\n"
+    ("        while self.next < len(self.buckets) and self.buckets[self.next][2] == 0:\n"
      "            ps, flat, _ = self.buckets[self.next]",
      "        if self.buckets[self.where[p]][2] == 0:  # launched the moment it is full\n"
      "            ps, flat, _ = self.buckets[self.where[p]]"),
     ("        for work, (ps, flat, _) in zip(self.works, self.buckets):\n            work.wait()\n",
      "        for work in self.works:\n            work.wait()\n        for ps, flat, _ in self.buckets:\n")]
+SKIP_MISSING = ("        if p.requires_grad:\n"
+                "            if p.grad is None:  # no gradient on this rank: it joins the all-reduce with zeros\n"
+                "                p.grad = torch.zeros_like(p)\n")
+DIVIDE_FIRST = "        p.grad.div_(self.world)  # 1/N before the sum, as DDP: the mean without a second pass\n"
 HANG_S = {"tree_broadcast": "5"}  # the rungs with a planted hang: each call may wait this long
 
 # rung -> {mistake: ([(text in the solution, replaced by)], what the verdict must say[, its status: fail])}
@@ -53,7 +57,7 @@ MISTAKES = {
                                  "    if rank != src:\n"
                                  "        dist.recv(tensor, src=src)\n"
                                  "    for k in []:")],
-                               "a binomial tree needs only ceil(log2 4) = 2 rounds"),
+                               "A binomial tree needs only ceil(log2 4) = 2 rounds"),
         "not in place": ([("    vrank = ", "    tensor = tensor.clone()\n    vrank = ")], "in place"),
         # the receiver's partner computed without src: from src=1 on, rank 1 sends to rank 2 while rank 2 waits
         # on rank 0; the report names each rank's peer and the pairs that do not match, with the tree's hint
@@ -70,13 +74,13 @@ MISTAKES = {
                               "inbox = recv.clone()\n"
                               "        reqs = [dist.isend(send, right), dist.irecv(inbox, left)]\n"),
                              ("    if flat.data_ptr()", "        recv += inbox\n    if flat.data_ptr()")],
-                            "overwrites yours (copy_), it is not added"),
+                            "overwrites yours (copy_). It is not added"),
         "no copy back": ([("if flat.data_ptr() != tensor.data_ptr():", "if False:")], "copy the result back"),
     },
     "sampler": {
         "set_epoch ignored": ([("        self.epoch = epoch\n", "        pass\n")], "set_epoch(1) changed nothing"),
         "no padding": ([("indices += [indices[i % n] for i in range(self.total_size - n)]", "pass")],
-                       "no padding?"),
+                       "Is the padding missing?"),
         "a block per rank": ([("indices[self.rank:self.total_size:self.num_replicas]",
                                "indices[self.rank * self.num_samples:(self.rank + 1) * self.num_samples]")],
                              "every N-th index starting at r"),
@@ -92,11 +96,17 @@ MISTAKES = {
         "weights reduced": ([("dist.all_reduce(p.grad)", "dist.all_reduce(p.data)")], "changed the weights"),
         "a temporary reduced": ([("            dist.all_reduce(p.grad)\n            p.grad /= world\n",
                                   "            dist.all_reduce(p.grad / world)\n")],
-                                "your all-reduces summed temporary tensors (6 of them), never .grad itself"),
+                                "Your all-reduces summed temporary tensors (6 of them), never .grad itself"),
         "divided before wait()": ([("            dist.all_reduce(p.grad)\n            p.grad /= world\n",
                                     "            work = dist.all_reduce(p.grad, async_op=True)\n"
                                     "            p.grad /= world\n            work.wait()\n")],
-                                  "was changed (divided?) while its asynchronous all-reduce was still running"),
+                                  "fc1.weight.grad changed (divided?) while its asynchronous all-reduce still ran"),
+        # fc2 has no gradient on rank 1 in the last step: skipping it there leaves the ranks' all-reduces out of
+        # step (a hang, or gloo pairing different tensors); the ranks compare each one first and fail together
+        "missing gradient skipped": ([(SKIP_MISSING, "        if p.grad is not None:\n")],
+                                     "At all-reduce 3, rank 0 all-reduces fc2.weight.grad (1024 elements), but "
+                                     "rank 1 all-reduces fc3.weight.grad (128 elements). In this step fc2.weight, "
+                                     "fc2.bias had no gradient on rank 1"),
     },
     "ddp_overlap": {
         "after backward": ([("p.register_post_accumulate_grad_hook(self._launch)", "pass"),
@@ -109,7 +119,12 @@ MISTAKES = {
                                    "dist.all_reduce(p.grad)")], "blocking (async_op=False)"),
         "1/N forgotten": ([("        p.grad.div_(self.world)", "        pass")], "summed, not averaged"),
         "never waited": ([("            work.wait()", "            pass")], "never waited for"),
-        "no broadcast": ([("            dist.broadcast(p.data, src=0)", "            pass")], "broadcast rank 0's"),
+        "no broadcast": ([("            dist.broadcast(p.data, src=0)", "            pass")], "Broadcast rank 0's"),
+        "divided after the launch": ([(DIVIDE_FIRST, ""),
+                                      ("        self.pending.append(dist.all_reduce(p.grad, async_op=True))\n",
+                                       "        self.pending.append(dist.all_reduce(p.grad, async_op=True))\n"
+                                       "        p.grad.div_(self.world)\n")],
+                                     "fc3.bias.grad changed (divided?) while its asynchronous all-reduce still ran"),
     },
     "ddp_buckets": {
         "buckets out of order": ([("for ps in self.buckets]", "for ps in reversed(self.buckets)]")],
@@ -121,6 +136,12 @@ MISTAKES = {
                                ("            work.wait()\n",
                                 "            work.wait()\n            flat.mul_(1 / self.world)\n")],
                               "went out undivided"),
+        "1/N between launch and wait": ([("            flat.mul_(1 / self.world)  # 1/N before the sum, as DDP\n", ""),
+                                         ("            self.works.append(dist.all_reduce(flat, group=self.group, "
+                                          "async_op=True))\n",
+                                          "            self.works.append(dist.all_reduce(flat, group=self.group, "
+                                          "async_op=True))\n            flat.mul_(1 / self.world)\n")],
+                                        "bucket 0 changed (divided?) while its asynchronous all-reduce still ran"),
         "launched as soon as full": (ARRIVAL_ORDER, "buckets launched in the order their gradients arrived, not in "
                                                     "bucket order"),
         # ranks that launch their buckets in different orders: gloo aborts the rank that got the larger bucket;
@@ -145,7 +166,7 @@ MISTAKES = {
 def plant(name, edits, path):
     text = (SOLUTIONS / f"{name}.py").read_text()
     for old, new in edits:
-        assert old in text, f"the mistake no longer applies to tests/exercise_solutions/{name}.py: {old!r}"
+        assert old in text, f"the mistake no longer applies to exercises/solutions/{name}.py: {old!r}"
         text = text.replace(old, new)
     path.write_text(text)
     return path

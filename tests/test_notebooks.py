@@ -22,7 +22,7 @@ from conftest import REPO
 pytestmark = pytest.mark.skipif(not all(map(importlib.util.find_spec, ("ipyparallel", "nbclient"))),
                                 reason="pip install -r requirements-dev.txt")  # found, not imported: collection
 NOTEBOOKS = sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb"))
-SOLUTIONS = REPO / "tests" / "exercise_solutions"
+SOLUTIONS = REPO / "exercises" / "solutions"
 GONE_S = 2  # the bound: nothing of a notebook's ranks 2 s after its kernel is gone
 sys.path.insert(0, str(REPO / "notebooks"))
 
@@ -200,7 +200,7 @@ class Sitting:
 @pytest.mark.usefixtures("executed")  # the notebooks' headless runs go on meanwhile (below)
 def test_a_readers_sitting_costs_one_cell_per_mistake_and_a_killed_kernel_leaves_nothing(tmp_path):
     """In one kernel: each notebook's "Your turn" check says "not written yet" for its stub, passes a solution from
-    tests/exercise_solutions (and the ranks.show call it then names shows the script's version) and names a planted
+    exercises/solutions (and the ranks.show call it then names shows the script's version) and names a planted
     mistake; a cell failing on rank 1 shows rank 1's error; Stop frees ranks that can be interrupted and says to
     reset when a rank is stuck in a collective (the next cell refuses at once); the reset, typed as the error words
     it, gives a working group that the first cell's rc reaches; a collective only rank 0 joins fails in bounded time

@@ -1,4 +1,5 @@
-"""Another correct ring_all_reduce: each step's send and receive posted together with dist.batch_isend_irecv."""
+"""Another correct ring_all_reduce. Each step posts its send and receive together, with
+dist.batch_isend_irecv."""
 
 import torch
 import torch.distributed as dist

@@ -1,5 +1,7 @@
-"""Rung 5 solved: one asynchronous all-reduce per parameter, launched from its gradient hook (the project's own
-solution of exercises/ddp_overlap.py, which 05's buckets grow from; the tests also plant mistakes into a copy)."""
+"""Rung 5 solved. Each parameter's hook launches one asynchronous all-reduce for its gradient.
+
+This is the project's own solution of exercises/ddp_overlap.py. The buckets of 05 grow from it.
+The tests also plant mistakes into a copy of it."""
 
 import torch.distributed as dist
 import torch.nn as nn

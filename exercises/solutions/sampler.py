@@ -1,4 +1,4 @@
-"""A participant's DistributedSampler, as the exercise asks for it: the tests plant mistakes into a copy of it."""
+"""A participant's DistributedSampler, as the stub asks. Tests plant mistakes in a copy of it."""
 
 import math
 
@@ -7,10 +7,12 @@ import torch.distributed as dist
 
 
 class DistributedSampler(torch.utils.data.Sampler):
-    def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0, drop_last=False):
+    def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0,
+                 drop_last=False):
         self.num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
         self.rank = dist.get_rank() if rank is None else rank
-        self.dataset, self.shuffle, self.seed, self.drop_last, self.epoch = dataset, shuffle, seed, drop_last, 0
+        self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
+        self.drop_last, self.epoch = drop_last, 0
         n = len(dataset)
         if drop_last:
             self.num_samples = n // self.num_replicas

@@ -1,4 +1,4 @@
-"""A participant's tree_broadcast, as the exercise asks for it: the tests plant mistakes into a copy of it."""
+"""A participant's tree_broadcast, as the stub asks. The tests plant mistakes in a copy of it."""
 
 import math
 

@@ -1,5 +1,4 @@
-"""Another correct OverlapDDP: futures instead of Work.wait(), all waited for in a callback that the first hook
-queues for the end of backward (so backward returns with the mean in .grad)."""
+"""Another correct OverlapDDP. It waits on futures, in a callback queued for the end of backward."""
 
 import torch
 import torch.distributed as dist
@@ -9,7 +8,8 @@ import torch.nn as nn
 class OverlapDDP(nn.Module):
     def __init__(self, module):
         super().__init__()
-        self.module, self.world, self.futures, self.queued = module, dist.get_world_size(), [], False
+        self.module, self.world = module, dist.get_world_size()
+        self.futures, self.queued = [], False
         for p in module.parameters():
             dist.broadcast(p.data, src=0)
             if p.requires_grad:
@@ -18,7 +18,8 @@ class OverlapDDP(nn.Module):
     def _launch(self, p):
         if not self.queued:
             self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(self.finish_gradient_synchronization)
         p.grad.mul_(1 / self.world)
         self.futures.append(dist.all_reduce(p.grad, async_op=True).get_future())
 

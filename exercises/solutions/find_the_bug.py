@@ -1,5 +1,8 @@
-"""exercises/find_the_bug.py fixed: the clip on every rank (it was in rank 0's logging branch), and BatchNorm's
-running statistics (buffers, which no gradient averaging touches) averaged over the ranks after each step."""
+"""exercises/find_the_bug.py, fixed in two places.
+
+Every rank clips its gradient now. Before, the clip sat in rank 0's logging branch. BatchNorm's
+running statistics are buffers, which no gradient average touches. They are now averaged over the
+ranks after each step."""
 
 import torch
 import torch.distributed as dist

@@ -1,5 +1,7 @@
-"""Another correct DDPCore: each .grad a view into its bucket's flat buffer (no copies), re-pointed in the hook
-after zero_grad() set it to None; each all-reduce's future waited for at the end of backward."""
+"""Another correct DDPCore. Each .grad is a view into its bucket's flat buffer: no copies.
+
+The hook points .grad back into the buffer after zero_grad() set it to None. Each all-reduce's
+future is waited for at the end of backward."""
 
 import contextlib
 
@@ -43,7 +45,7 @@ class DDPCore(nn.Module):
 
     def _ready(self, p):
         view = self.views[p]
-        if p.grad.data_ptr() != view.data_ptr():  # zero_grad() set it to None, or a new one came: re-point
+        if p.grad.data_ptr() != view.data_ptr():  # a new .grad, after zero_grad(): point it back
             view.copy_(p.grad)
             p.grad = view
         if not self.sync:

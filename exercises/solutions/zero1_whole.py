@@ -1,5 +1,6 @@
-"""Another correct ZeroDDP: each rank owns whole parameters (the largest first, to the least loaded rank),
-steps them, and broadcasts them to the others."""
+"""Another correct ZeroDDP. Each rank owns whole parameters, steps them, and broadcasts them.
+
+The largest parameter goes first, to the rank that owns the fewest elements so far."""
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -16,7 +17,8 @@ class ZeroDDP(nn.Module):
         for p in sorted(self.params, key=lambda p: -p.numel()):
             r = load.index(min(load))
             self.owner[p], load[r] = r, load[r] + p.numel()
-        self.optim = optimizer_class([p for p in self.params if self.owner[p] == self.rank], **defaults)
+        mine = [p for p in self.params if self.owner[p] == self.rank]
+        self.optim = optimizer_class(mine, **defaults)
 
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)

@@ -1,4 +1,4 @@
-"""A participant's ring_all_reduce, as the exercise asks for it: the tests plant mistakes into a copy of it."""
+"""A participant's ring_all_reduce, as the stub asks. The tests plant mistakes in a copy of it."""
 
 import torch.distributed as dist
 

@@ -1,4 +1,4 @@
-"""A participant's DDPCore, as the exercise asks for it: the tests plant mistakes into a copy of it."""
+"""A participant's DDPCore, as the stub asks. The tests plant mistakes in a copy of it."""
 
 import contextlib
 
@@ -13,9 +13,11 @@ class DDPCore(nn.Module):
         self.module, self.group = module, process_group
         self.world = dist.get_world_size(process_group)
         for t in list(module.parameters()) + (list(module.buffers()) if broadcast_buffers else []):
-            dist.broadcast(t.data, src=dist.get_global_rank(process_group or dist.group.WORLD, 0), group=process_group)
+            src = dist.get_global_rank(process_group or dist.group.WORLD, 0)
+            dist.broadcast(t.data, src=src, group=process_group)
         cap = (25 if bucket_cap_mb is None else bucket_cap_mb) * 2**20
-        self.buckets, names, size = [], [], 0  # each: [parameters, flat buffer, gradients still to come]
+        # each bucket: [parameters, flat buffer, gradients still to come]
+        self.buckets, names, size = [], [], 0
         params = [p for p in module.parameters() if p.requires_grad]
         for p in reversed(params):  # backward produces the last layer's gradients first
             names.append(p)
@@ -25,7 +27,8 @@ class DDPCore(nn.Module):
                 names, size = [], 0
         if names:
             self.buckets.append(names)
-        self.buckets = [[ps, torch.zeros(sum(p.numel() for p in ps)), len(ps)] for ps in self.buckets]
+        self.buckets = [[ps, torch.zeros(sum(p.numel() for p in ps)), len(ps)]
+                        for ps in self.buckets]
         self.where = {p: k for k, (ps, _, _) in enumerate(self.buckets) for p in ps}
         self.sync, self.next, self.works, self.queued = True, 0, [], False
         for p in params:
@@ -49,7 +52,8 @@ class DDPCore(nn.Module):
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         self.buckets[self.where[p]][2] -= 1
-        while self.next < len(self.buckets) and self.buckets[self.next][2] == 0:  # strictly in bucket order
+        # strictly in bucket order
+        while self.next < len(self.buckets) and self.buckets[self.next][2] == 0:
             ps, flat, _ = self.buckets[self.next]
             torch.cat([q.grad.reshape(-1) for q in ps], out=flat)
             flat.mul_(1 / self.world)  # 1/N before the sum, as DDP
