@@ -148,8 +148,7 @@ class ManualDDP(nn.Module, Joinable):
         self.names = [n for n, p in named if p.requires_grad]
         self.params = [p for _, p in named if p.requires_grad]
         devices = {p.device for p in self.params + list(delayed.values())}
-        self.device_ids, self.output_device = self._check_device_ids(device_ids, output_device,
-                                                                     devices)
+        self.device_ids, self.output_device = self._device_ids(device_ids, output_device, devices)
         if not self._delayed and not self.params:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't "
                                "have any parameter that requires a gradient.")  # DDP's words
@@ -480,7 +479,7 @@ class ManualDDP(nn.Module, Joinable):
         return error
 
     # -- DDP's constructor checks, buffers, communication hooks, join --
-    def _check_device_ids(self, device_ids, output_device, devices):
+    def _device_ids(self, device_ids, output_device, devices):
         if device_ids is not None and len(device_ids) > 1:
             raise ValueError("device_ids can only be None or contain a single element.")
         kind = next(iter(devices)).type if len(devices) == 1 else None  # "cuda" or "cpu", say
