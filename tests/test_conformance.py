@@ -1,4 +1,4 @@
-"""PyTorch's own DDP tests, run on ManualDDP: a representative handful (tests/ddp_conformance.py runs them all).
+"""PyTorch's own DDP tests, run on ManualDDP: a representative handful (ddp_conformance.py runs them all).
 
 The tests come from the suite the torch wheel ships (torch/testing/_internal/distributed/distributed_test.py), run
 as test/distributed/test_distributed_spawn.py runs them (gloo, one process per rank), with DistributedDataParallel
@@ -19,7 +19,7 @@ import launch
 
 # Each passes on PyTorch's DDP and uses only DDP's public API: what a drop-in must get right. Four, for the suite's
 # time (~4 s of importing and picking the suite's tests, then each forks its ranks anew): all 50 that pass
-# on DDP run in tests/ddp_conformance.py's full run (docs/manual_ddp.md has its table; run it after changing
+# on DDP run in ddp_conformance.py's full run (docs/manual_ddp.md has its table; run it after changing
 # ManualDDP, as the note of each such change says).
 CHOSEN = {
     "test_ddp_create_graph": "double backward (create_graph=True) through the wrapper, gradients as in one process",
@@ -40,7 +40,7 @@ pytestmark = [
 def verdicts(tmp_path_factory):
     out = tmp_path_factory.mktemp("conformance")
     names = list(CHOSEN)
-    cmd = [sys.executable, "tests/ddp_conformance.py", "--impl", "manual", "--world-size", "2", "--timeout", "60",
+    cmd = [sys.executable, "ddp_conformance.py", "--impl", "manual", "--world-size", "2", "--timeout", "60",
            "--gpu-tests-on-cpu", "--fork", "--out", str(out), "-k", f"^({'|'.join(names)})$"]
     res = launch.run(cmd, timeout=480)  # ~10 s alone; a loaded machine can take ten times that
     assert not res.timed_out, res.output

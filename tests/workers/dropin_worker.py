@@ -342,7 +342,9 @@ class TwoHeads(nn.Module):
 
 def check_unused_skip_and_delay():
     """find_unused_parameters leaves .grad None where no rank used a parameter; skip_all_reduce_unused_params then
-    sends no bucket of such parameters; delay_all_reduce_named_params still averages the parameters it names."""
+    sends no bucket of such parameters; delay_all_reduce_named_params still averages the parameters it names.
+    Without find_unused_parameters, skip_all_reduce_unused_params skips nothing (DDP cannot know a parameter unused);
+    with static_graph it skips what the first backward left unused: bit for bit DDP's, whichever flags go with it."""
     for skip in (False, True):
         torch.manual_seed(5)
         kw = dict(find_unused_parameters=True, skip_all_reduce_unused_params=skip, bucket_cap_mb=0.00001)
@@ -358,6 +360,11 @@ def check_unused_skip_and_delay():
                 o.step()
                 o.zero_grad()
             assert_same(ours, theirs, f"find_unused_parameters, skip={skip}, step {step}")
+    for make, kw in ((Net, {}), (TwoHeads, {"static_graph": True}),
+                     (TwoHeads, {"static_graph": True, "find_unused_parameters": True})):
+        torch.manual_seed(5)
+        lockstep(pair(make(), skip_all_reduce_unused_params=True, bucket_cap_mb=0.00001, **kw), 4,
+                 f"skip_all_reduce_unused_params with {kw}")
     torch.manual_seed(6)
     base = TwoHeads()
     plain = ManualDDP(copy.deepcopy(base), find_unused_parameters=True)
