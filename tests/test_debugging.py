@@ -3,6 +3,9 @@
 09: every scenario on 2 ranks, and all but mismatch on 3 (its two child jobs on 4 processes cost the most and show
 nothing new on 3), ends within its timeout with its diagnosis and OK, printing the commands it ran; the 3-rank pass
 runs under a Python with no py-spy anywhere it looks, and rank0-only and uneven still diagnose (without `stacks`).
+09's programs in-process on 3 ranks (tests/workers/lesson09_worker.py), by their maths: the naive average is the mean
+(one process on every rank's batch), each fixed program issues the same collectives on every rank and ends with
+identical replicas, equal to one process's where it trains with plain SGD.
 debug_tools, on a reader's own training loop (tests/workers/buggy_train.py, not written like 09) on 2 and 3 ranks:
 `stacks` finds every rank of a torchrun job and of plain processes a shell started, from the launcher's pid or a
 rank's, and names the rank that waits in PyTorch's DDP backward (the reducer, with --native) and the rank alone in an
@@ -56,7 +59,7 @@ STACKS = {  # what rank0-only and uneven show with py-spy (on 2 ranks), and what
            "in Tensor.backward <- c10d::Reducer::finalize_backward",
            "OK rank0-only: stacks, the Flight Recorder and monitored_barrier each named",
            "OK uneven: stacks (DDP's reducer) and the Flight Recorder found the hang"],
-    False: ["(stacks skipped: py-spy not found; pip install py-spy to see every rank's stack)",
+    False: ["(stacks skipped: py-spy not found. pip install py-spy to see every rank's stack.)",
             "OK rank0-only: the Flight Recorder and monitored_barrier (stacks skipped: no py-spy) each named",
             "OK uneven: the Flight Recorder (stacks skipped: no py-spy) found the hang"]}
 
@@ -97,7 +100,8 @@ def launched(request, tmp_path_factory):
             "test_find_the_bug_fails_as_shipped_and_passes_once_fixed": find_the_bug,
             "test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_workers": spawned_jobs,
             "test_check_replicas_finds_a_per_rank_seed_and_a_tensor_attribute_that_ddp_never_broadcasts": seeded,
-            "test_check_replicas_names_the_tensor_the_ranks_and_the_difference_on_every_rank": replicas_cases}
+            "test_check_replicas_names_the_tensor_the_ranks_and_the_difference_on_every_rank": replicas_cases,
+            "test_09s_average_is_the_mean_and_each_fix_fixes_on_3_ranks": lesson09}
     with launch.ahead(request, {name: lambda f=f: f(tmp_path_factory.mktemp("job")) for name, f in jobs.items()}) \
             as futures:
         yield futures
@@ -112,6 +116,19 @@ def test_check_replicas_names_the_tensor_the_ranks_and_the_difference_on_every_r
     for nproc, res in runs.items():
         assert not res.timed_out and res.returncode == 0, res.output[-4000:]
         assert res.ok_line() == f"OK check_replicas on {nproc} ranks: 22 cases", res.output[-4000:]
+
+
+def lesson09(_):
+    return launch.torchrun_forked("tests/workers/lesson09_worker.py", {3: []}, timeout=300, device=None)[3]
+
+
+def test_09s_average_is_the_mean_and_each_fix_fixes_on_3_ranks(launched, request):
+    """09's programs in-process, checked by their maths, not by their output (issue #63). The naive average
+    equals one process on every rank's batch, and so do drift's fix and the fixed programs. Each fixed program
+    issues the same collectives on every rank (uneven's under Join too) and ends with identical replicas."""
+    res = launched[request.node.name].result()
+    assert not res.timed_out and res.returncode == 0, res.output[-4000:]
+    assert res.ok_line() == "OK 09's programs on 3 ranks", res.output[-4000:]
 
 
 def usage_errors(_):
