@@ -131,6 +131,15 @@ def test_09s_average_is_the_mean_and_each_fix_fixes_on_3_ranks(launched, request
     assert res.ok_line() == "OK 09's programs on 3 ranks", res.output[-4000:]
 
 
+def test_a_missing_diagnosis_ends_09_with_one_fail_line_and_exit_1(group_of_one, capsys):
+    """09's verdict is its own self-check: a diagnosis that did not appear must end the run."""
+    debugging = load_script("09_debugging.py")
+    debugging.diagnosed(True, "not printed")
+    with pytest.raises(SystemExit) as stopped:
+        debugging.diagnosed(False, "DETAIL did not report both shapes")
+    assert stopped.value.code == 1 and capsys.readouterr().out == "FAIL: DETAIL did not report both shapes\n"
+
+
 def usage_errors(_):
     return [launch.python("09_debugging.py", args, timeout=120) for args in (["--fault", "drift"],
                                                                           ["--fault", "nope"], ["--broken"])]
@@ -379,12 +388,14 @@ def test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_w
         f"{pids['0.1']}, {pids['0.0']} of rank 0; " in stacks["launcher"], stacks["launcher"]
     assert stacks["worker"].startswith(f"pid {pids['1.0']} is a DataLoader worker of the rank with pid {pids['1']}, "
                                        "not a rank"), stacks["worker"]
-    assert re.fullmatch(r"error: pid \d+ \(sleep\) is no training process: [^\n]*\n", stacks["sleep"]), stacks["sleep"]
-    assert stacks["hidden"].startswith(f"error: py-spy not found (not on PATH, nor beside {hidden}): pip install "
-                                       "py-spy. Without it: ") and stacks["hidden"].count("\n") == 1, stacks["hidden"]
+    sleep = stacks["sleep"]
+    assert re.fullmatch(r"error: pid \d+ \(sleep\) is not a training process\. [^\n]*\n", sleep), sleep
+    assert stacks["hidden"].startswith(f"error: py-spy not found (not on PATH, nor beside {hidden}). Install it "
+                                       "with pip install py-spy. Without it, ") and stacks["hidden"].count("\n") == 1, \
+        stacks["hidden"]
     assert "kill -USR1 PID" in stacks["hidden"] and "PYTHONFAULTHANDLER=1" in stacks["hidden"], stacks["hidden"]
     for rank in (0, 1):  # check_replicas after a step of a correct DDP + BatchNorm job: no error
-        assert f"rank {rank} replicas identical on 2 ranks: " in out and "2 buffer(s) differ by design: DDP " \
+        assert f"rank {rank} replicas identical on 2 ranks: " in out and "2 buffer(s) differ by design, since DDP " \
             "(broadcast_buffers=True) overwrites them with rank 0's as its next forward starts" in out, out[-3000:]
 
     out, found = results["torchrun"]
@@ -399,7 +410,7 @@ def test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_w
     assert not res.timed_out and res.returncode != 0, res.output[-3000:]
     lines = res.output[res.output.find("ReplicasDiffer: "):].splitlines()
     assert lines[0] == "ReplicasDiffer: replicas differ in 14 places (optimizer state 6, parameters 6, buffers 2), " \
-        "the optimizer's state and settings first: they make the parameters drift a step later", res.output[-3000:]
+        "the optimizer's state and settings first, as they make the parameters drift a step later", res.output[-3000:]
     assert all(ln.startswith("  optimizer state[module.") for ln in lines[1:4]), lines
     assert lines[4] == "  ... 3 more optimizer state (the exception's .differences lists all)", lines
     assert lines[5].startswith("  module.net1.weight (float32, (10, 10)) on rank(s) [1] differs"), lines

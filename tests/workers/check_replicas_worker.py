@@ -118,7 +118,7 @@ CASES = [  # (name, the model (or model, optimizer[, ignore]) on this rank, rank
     ("identical, DDP after a step", lambda: trained(DDP, rank), [], None),
     ("identical, ManualDDP after a step", lambda: trained(ManualDDP, rank), [], None),
     ("BatchNorm's statistics after a DDP step: DDP overwrites them", lambda: trained(DDP, rank, bn=True), [],
-     None, "2 buffer(s) differ by design: DDP (broadcast_buffers=True) overwrites them with rank 0's as its next "
+     None, "2 buffer(s) differ by design, since DDP (broadcast_buffers=True) overwrites them with rank 0's as its next "
      "forward starts"),
     ("BatchNorm's statistics, ManualDDP", lambda: trained(ManualDDP, rank, bn=True), [], None, "2 buffer(s) differ"),
     ("BatchNorm's statistics, DDP(broadcast_buffers=False)", lambda: trained(lambda m: DDP(m, broadcast_buffers=False),
