@@ -159,5 +159,5 @@ expect(all(p.isfinite().all() for p in model.parameters()), "crash's fix: weight
 
 dist.destroy_process_group()
 if rank == 0:
-    print("\n".join(failures) or f"OK 09's programs on {world} ranks", flush=True)
+    print("\n".join(f"FAIL: {f}" for f in failures) or f"OK 09's programs on {world} ranks", flush=True)
 sys.exit(1 if failures else 0)
