@@ -140,6 +140,29 @@ def test_a_missing_diagnosis_ends_09_with_one_fail_line_and_exit_1(group_of_one,
     assert stopped.value.code == 1 and capsys.readouterr().out == "FAIL: DETAIL did not report both shapes\n"
 
 
+def test_fr_names_the_first_collective_at_which_the_ranks_part_and_your_line_in_it():
+    """`fr`'s summary of records made by hand: the ranks agree on #1 and part at #2, where rank 1 waits in a barrier
+    while rank 0, past it, reached #3. Each call is named by the innermost frame of the reader's code."""
+    import debug_tools
+
+    def entry(seq, name, line):  # the Flight Recorder's fields that fr reads; frames innermost first
+        frames = [{"filename": "/venv/lib/python3.11/site-packages/torch/distributed/c10d.py", "name": name,
+                   "line": 1}, {"filename": "/home/me/train.py", "name": "train", "line": line},
+                  {"filename": "/home/me/train.py", "name": "<module>", "line": 99}]
+        return {"collective_seq_id": seq, "profiling_name": f"gloo:{name}", "input_sizes": [[4]],
+                "process_group": ("0", "default"), "frames": frames}
+    records = {0: {"entries": [entry(1, "all_reduce", 10), entry(2, "all_reduce", 11), entry(3, "all_reduce", 12)],
+                   "pg_status": {"0": {"last_completed_collective": 2}}},
+               1: {"entries": [entry(1, "all_reduce", 10), entry(2, "barrier", 20)],
+                   "pg_status": {"0": {"last_completed_collective": 1}}}}
+    assert debug_tools.summarize_records(records) == [
+        "rank 0: 3 collectives; the last, #3, gloo:all_reduce [[4]] from train (train.py:12), never completed",
+        "rank 1: 2 collectives; the last, #2, gloo:barrier [[4]] from train (train.py:20), never completed",
+        "the ranks part at collective #2 of group 0:",
+        "  rank(s) [0]: gloo:all_reduce [[4]] from train (train.py:11)",
+        "  rank(s) [1]: gloo:barrier [[4]] from train (train.py:20)"]
+
+
 def usage_errors(_):
     return [launch.python("09_debugging.py", args, timeout=120) for args in (["--fault", "drift"],
                                                                           ["--fault", "nope"], ["--broken"])]
