@@ -5,7 +5,7 @@ nothing new on 3), ends within its timeout with its diagnosis and OK, printing t
 runs under a Python with no py-spy anywhere it looks, and rank0-only and uneven still diagnose (without `stacks`).
 09's programs in-process on 3 ranks (tests/workers/lesson09_worker.py), by their maths: the naive average is the mean
 (one process on every rank's batch), each fixed program issues the same collectives on every rank and ends with
-identical replicas, equal to one process's where it trains with plain SGD.
+identical replicas, equal to one process's.
 debug_tools, on a reader's own training loop (tests/workers/buggy_train.py, not written like 09) on 2 and 3 ranks:
 `stacks` finds every rank of a torchrun job and of plain processes a shell started, from the launcher's pid or a
 rank's, and names the rank that waits in PyTorch's DDP backward (the reducer, with --native) and the rank alone in an
