@@ -339,8 +339,8 @@ def scenario_drift(args):
     # Identical replicas can still be wrong. A sum in place of the mean is the same on every rank.
     pairs = zip(train_by_hand(0, False, [])[0].parameters(), one_process().parameters())
     gap = max((a - b).abs().max().item() for a, b in pairs)
-    print0(f"-- Identical is not enough. One process on all {WORLD} ranks' batches trains the same "
-           f"weights, up to {gap:.1e}: the average is the mean.")
+    print0(f"-- Identical replicas can still be wrong. One process trained on all {WORLD} ranks' "
+           f"batches reaches the same weights, within {gap:.1e}.")
     diagnosed(gap < 1e-5, "the average is not the mean of every rank's gradient")
     print0("OK drift: nothing errored, check_replicas named each diverged tensor, the fix is quiet "
            "and equals one process")
