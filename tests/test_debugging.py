@@ -3,6 +3,9 @@
 09: every scenario on 2 ranks, and all but mismatch on 3 (its two child jobs on 4 processes cost the most and show
 nothing new on 3), ends within its timeout with its diagnosis and OK, printing the commands it ran; the 3-rank pass
 runs under a Python with no py-spy anywhere it looks, and rank0-only and uneven still diagnose (without `stacks`).
+09's programs in-process on 3 ranks (tests/workers/lesson09_worker.py), by their maths: the naive average is the mean
+(one process on every rank's batch), each fixed program issues the same collectives on every rank and ends with
+identical replicas, equal to one process's.
 debug_tools, on a reader's own training loop (tests/workers/buggy_train.py, not written like 09) on 2 and 3 ranks:
 `stacks` finds every rank of a torchrun job and of plain processes a shell started, from the launcher's pid or a
 rank's, and names the rank that waits in PyTorch's DDP backward (the reducer, with --native) and the rank alone in an
@@ -56,7 +59,7 @@ STACKS = {  # what rank0-only and uneven show with py-spy (on 2 ranks), and what
            "in Tensor.backward <- c10d::Reducer::finalize_backward",
            "OK rank0-only: stacks, the Flight Recorder and monitored_barrier each named",
            "OK uneven: stacks (DDP's reducer) and the Flight Recorder found the hang"],
-    False: ["(stacks skipped: py-spy not found; pip install py-spy to see every rank's stack)",
+    False: ["(stacks skipped: py-spy not found. pip install py-spy to see every rank's stack.)",
             "OK rank0-only: the Flight Recorder and monitored_barrier (stacks skipped: no py-spy) each named",
             "OK uneven: the Flight Recorder (stacks skipped: no py-spy) found the hang"]}
 
@@ -97,7 +100,8 @@ def launched(request, tmp_path_factory):
             "test_find_the_bug_fails_as_shipped_and_passes_once_fixed": find_the_bug,
             "test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_workers": spawned_jobs,
             "test_check_replicas_finds_a_per_rank_seed_and_a_tensor_attribute_that_ddp_never_broadcasts": seeded,
-            "test_check_replicas_names_the_tensor_the_ranks_and_the_difference_on_every_rank": replicas_cases}
+            "test_check_replicas_names_the_tensor_the_ranks_and_the_difference_on_every_rank": replicas_cases,
+            "test_09s_average_is_the_mean_and_each_fix_fixes_on_3_ranks": lesson09}
     with launch.ahead(request, {name: lambda f=f: f(tmp_path_factory.mktemp("job")) for name, f in jobs.items()}) \
             as futures:
         yield futures
@@ -111,7 +115,52 @@ def test_check_replicas_names_the_tensor_the_ranks_and_the_difference_on_every_r
     runs = launched[request.node.name].result()
     for nproc, res in runs.items():
         assert not res.timed_out and res.returncode == 0, res.output[-4000:]
-        assert res.ok_line() == f"OK check_replicas on {nproc} ranks: 22 cases", res.output[-4000:]
+        assert res.ok_line() == f"OK check_replicas on {nproc} ranks: {22 + (nproc > 2)} cases", res.output[-4000:]
+
+
+def lesson09(_):
+    return launch.torchrun_forked("tests/workers/lesson09_worker.py", {3: []}, timeout=300, device=None)[3]
+
+
+def test_09s_average_is_the_mean_and_each_fix_fixes_on_3_ranks(launched, request):
+    """09's programs in-process, checked by their maths, not by their output (issue #63). The naive average
+    equals one process on every rank's batch, and so do drift's fix and the fixed programs. Each fixed program
+    issues the same collectives on every rank (uneven's under Join too) and ends with identical replicas."""
+    res = launched[request.node.name].result()
+    assert not res.timed_out and res.returncode == 0, res.output[-4000:]
+    assert res.ok_line() == "OK 09's programs on 3 ranks", res.output[-4000:]
+
+
+def test_a_missing_diagnosis_ends_09_with_one_fail_line_and_exit_1(group_of_one, capsys):
+    """09's verdict is its own self-check: a diagnosis that did not appear must end the run."""
+    debugging = load_script("09_debugging.py")
+    debugging.diagnosed(True, "not printed")
+    with pytest.raises(SystemExit) as stopped:
+        debugging.diagnosed(False, "DETAIL did not report both shapes")
+    assert stopped.value.code == 1 and capsys.readouterr().out == "FAIL: DETAIL did not report both shapes\n"
+
+
+def test_fr_names_the_first_collective_at_which_the_ranks_part_and_your_line_in_it():
+    """`fr`'s summary of records made by hand: the ranks agree on #1 and part at #2, where rank 1 waits in a barrier
+    while rank 0, past it, reached #3. Each call is named by the innermost frame of the reader's code."""
+    import debug_tools
+
+    def entry(seq, name, line):  # the Flight Recorder's fields that fr reads; frames innermost first
+        frames = [{"filename": "/venv/lib/python3.11/site-packages/torch/distributed/c10d.py", "name": name,
+                   "line": 1}, {"filename": "/home/me/train.py", "name": "train", "line": line},
+                  {"filename": "/home/me/train.py", "name": "<module>", "line": 99}]
+        return {"collective_seq_id": seq, "profiling_name": f"gloo:{name}", "input_sizes": [[4]],
+                "process_group": ("0", "default"), "frames": frames}
+    records = {0: {"entries": [entry(1, "all_reduce", 10), entry(2, "all_reduce", 11), entry(3, "all_reduce", 12)],
+                   "pg_status": {"0": {"last_completed_collective": 2}}},
+               1: {"entries": [entry(1, "all_reduce", 10), entry(2, "barrier", 20)],
+                   "pg_status": {"0": {"last_completed_collective": 1}}}}
+    assert debug_tools.summarize_records(records) == [
+        "rank 0: 3 collectives; the last, #3, gloo:all_reduce [[4]] from train (train.py:12), never completed",
+        "rank 1: 2 collectives; the last, #2, gloo:barrier [[4]] from train (train.py:20), never completed",
+        "the ranks part at collective #2 of group 0:",
+        "  rank(s) [0]: gloo:all_reduce [[4]] from train (train.py:11)",
+        "  rank(s) [1]: gloo:barrier [[4]] from train (train.py:20)"]
 
 
 def usage_errors(_):
@@ -362,12 +411,14 @@ def test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_w
         f"{pids['0.1']}, {pids['0.0']} of rank 0; " in stacks["launcher"], stacks["launcher"]
     assert stacks["worker"].startswith(f"pid {pids['1.0']} is a DataLoader worker of the rank with pid {pids['1']}, "
                                        "not a rank"), stacks["worker"]
-    assert re.fullmatch(r"error: pid \d+ \(sleep\) is no training process: [^\n]*\n", stacks["sleep"]), stacks["sleep"]
-    assert stacks["hidden"].startswith(f"error: py-spy not found (not on PATH, nor beside {hidden}): pip install "
-                                       "py-spy. Without it: ") and stacks["hidden"].count("\n") == 1, stacks["hidden"]
+    sleep = stacks["sleep"]
+    assert re.fullmatch(r"error: pid \d+ \(sleep\) is not a training process\. [^\n]*\n", sleep), sleep
+    assert stacks["hidden"].startswith(f"error: py-spy not found (not on PATH, nor beside {hidden}). Install it "
+                                       "with pip install py-spy. Without it, ") and stacks["hidden"].count("\n") == 1, \
+        stacks["hidden"]
     assert "kill -USR1 PID" in stacks["hidden"] and "PYTHONFAULTHANDLER=1" in stacks["hidden"], stacks["hidden"]
     for rank in (0, 1):  # check_replicas after a step of a correct DDP + BatchNorm job: no error
-        assert f"rank {rank} replicas identical on 2 ranks: " in out and "2 buffer(s) differ by design: DDP " \
+        assert f"rank {rank} replicas identical on 2 ranks: " in out and "2 buffer(s) differ by design, since DDP " \
             "(broadcast_buffers=True) overwrites them with rank 0's as its next forward starts" in out, out[-3000:]
 
     out, found = results["torchrun"]
@@ -382,7 +433,7 @@ def test_debug_tools_on_a_job_launched_by_mp_spawn_or_torchrun_with_dataloader_w
     assert not res.timed_out and res.returncode != 0, res.output[-3000:]
     lines = res.output[res.output.find("ReplicasDiffer: "):].splitlines()
     assert lines[0] == "ReplicasDiffer: replicas differ in 14 places (optimizer state 6, parameters 6, buffers 2), " \
-        "the optimizer's state and settings first: they make the parameters drift a step later", res.output[-3000:]
+        "the optimizer's state and settings first, as they make the parameters drift a step later", res.output[-3000:]
     assert all(ln.startswith("  optimizer state[module.") for ln in lines[1:4]), lines
     assert lines[4] == "  ... 3 more optimizer state (the exception's .differences lists all)", lines
     assert lines[5].startswith("  module.net1.weight (float32, (10, 10)) on rank(s) [1] differs"), lines

@@ -61,7 +61,7 @@ def table(tmp):
     # Input that only the run reveals: 07 at --lr 1e30 diverges (loss nan), and says that, not "the weights differ".
     tiny07 = ["--n-layer", "1", "--n-embd", "64", "--seq-len", "16", "--vocab-size", "256", "--steps", "2"]
     cases += [("07_zero.py", tiny07 + ["--stage", "1", "--lr", "1e30"], "alone",
-               "ZeRO-1 or DDP: the loss or the weights went to inf or nan: try a smaller --lr")]
+               "ZeRO-1 or DDP: the loss or the weights went to inf or nan. Try a smaller --lr.")]
     # 01-04 teach a job of several ranks: alone, they say how to start one.
     cases += [(name, [], "alone", "launch with torchrun, e.g. torchrun --nproc_per_node=2")
               for name in ("01_send_recv.py", "02_broadcast.py", "03_all_reduce.py", "04_sampler.py")]

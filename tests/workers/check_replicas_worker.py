@@ -1,10 +1,11 @@
 """debug_tools.check_replicas on every rank under torchrun: quiet on identical replicas (plain, DDP- and
 ManualDDP-wrapped); on a difference on some ranks, the same RuntimeError on every rank naming the tensor (a parameter,
 a buffer, a frozen parameter, a plain tensor attribute, one in a list or a dict, the optimizer's state), the ranks and
-the largest difference; a different lr, eval mode, shape or a missing tensor named, not crashed on. BatchNorm's
-statistics after a step: reported, not raised, where DDP's broadcast_buffers overwrites them; raised, with what to do,
-where nothing does; not compared when ignored. A resume that loads the optimizer's state on rank 0 only: every
-difference counted, the optimizer's state listed before the parameters it made drift."""
+the largest difference; a different lr, eval mode, shape or a missing tensor named, not crashed on; on 3 ranks, a
+group without global rank 0. BatchNorm's statistics after a step: reported, not raised, where DDP's broadcast_buffers
+overwrites them; raised, with what to do, where nothing does; not compared when ignored. A resume that loads the
+optimizer's state on rank 0 only: every difference counted, the optimizer's state listed before the parameters it
+made drift."""
 
 import copy
 import sys
@@ -118,7 +119,7 @@ CASES = [  # (name, the model (or model, optimizer[, ignore]) on this rank, rank
     ("identical, DDP after a step", lambda: trained(DDP, rank), [], None),
     ("identical, ManualDDP after a step", lambda: trained(ManualDDP, rank), [], None),
     ("BatchNorm's statistics after a DDP step: DDP overwrites them", lambda: trained(DDP, rank, bn=True), [],
-     None, "2 buffer(s) differ by design: DDP (broadcast_buffers=True) overwrites them with rank 0's as its next "
+     None, "2 buffer(s) differ by design, since DDP (broadcast_buffers=True) overwrites them with rank 0's as its next "
      "forward starts"),
     ("BatchNorm's statistics, ManualDDP", lambda: trained(ManualDDP, rank, bn=True), [], None, "2 buffer(s) differ"),
     ("BatchNorm's statistics, DDP(broadcast_buffers=False)", lambda: trained(lambda m: DDP(m, broadcast_buffers=False),
@@ -173,7 +174,21 @@ for name, build, ranks, expected, *also in CASES:
         failures.append(f"{name}: expected {also[0]!r} too, got: {message}")
     if rank == 0:
         print(f"{name}: {message}", flush=True)
+cases = len(CASES)
+if world > 2:  # a group without global rank 0, whose own rank 0 is global rank 1
+    cases += 1
+    ones, message = dist.new_group(list(range(1, world))), None
+    if rank > 0:
+        try:
+            message = check_replicas(_changed(lambda m: m[0].weight.data[1, 2].add_(0.5), last), group=ones)
+        except RuntimeError as e:
+            message = str(e)
+    messages = [None] * world
+    dist.all_gather_object(messages, message)  # one verdict on every rank
+    expected = f"differ: 0.weight (float32, (3, 4)) on rank(s) [{world - 2}] differs from rank 0's by up to 0.5"
+    if not all(expected in m for m in messages[1:]):
+        failures.append(f"a group of ranks 1 to {world - 1}: {messages[1:]}")
 dist.destroy_process_group()
 if rank == 0:
-    print("\n".join(failures) or f"OK check_replicas on {world} ranks: {len(CASES)} cases", flush=True)
+    print("\n".join(failures) or f"OK check_replicas on {world} ranks: {cases} cases", flush=True)
 sys.exit(1 if failures else 0)
