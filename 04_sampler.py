@@ -112,7 +112,7 @@ def main(args):
         log_in_rank_order(f"epoch {epoch}: {orders[-1]}")
     if args.no_set_epoch:  # Break it. Every rank checks that each epoch replayed epoch 0's order.
         assert all(gather(orders == [orders[0]] * 3)), "an epoch changed the order"
-        print0("the epoch stayed 0, so the shuffle's seed + epoch and the order never changed")
+        print0("without set_epoch the epoch stays 0, so seed + epoch and the order never change")
         print0("OK --no-set-epoch showed the bug. Call sampler.set_epoch(epoch) before each epoch.")
         return
 
