@@ -57,7 +57,7 @@ def who_am_i(device):  # This rank's torchrun variables and its device, on one l
 
 def main(args):
     if WORLD < 2:  # Plain `python 01_send_recv.py` sets none of torchrun's variables.
-        raise UsageError("this lesson needs 2 ranks or more, so launch with torchrun, "
+        raise UsageError("this lesson needs 2 or more ranks, so launch with torchrun, "
                          f"e.g. torchrun --nproc_per_node=2 {sys.argv[0]}")
     device = setup(args)
     if args.blocking and dist.get_backend() == "nccl":  # There, send() blocks the GPU, not us.

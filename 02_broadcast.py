@@ -82,7 +82,7 @@ def all_identical(vec):
 
 def main(args):
     if WORLD < 2:  # A source and a replica to make identical need two ranks at least.
-        raise UsageError("this lesson needs 2 ranks or more, so launch with torchrun, "
+        raise UsageError("this lesson needs 2 or more ranks, so launch with torchrun, "
                          f"e.g. torchrun --nproc_per_node=2 {sys.argv[0]}")
     device = setup(args)  # RANK and WORLD come from torchrun's environment, as 01 shows.
 
@@ -104,18 +104,20 @@ def main(args):
     print0(f"tree_broadcast == dist.broadcast ({args.numel:,} elements; float32, int64, bfloat16) "
            f"in ceil(log2 {WORLD}) = {rounds} round(s)")
 
-    # 3. Replicas built with different seeds, as if each rank had built its own model, differ...
+    # 3. Each rank builds its own model, with its own seed. These replicas differ...
     model = make_model(seed=RANK).to(device)
     with torch.no_grad():
         model[1].running_mean.fill_(RANK)  # As if each rank saw other data. Buffers differ too.
     assert not all_identical(fingerprint(model)), "replicas should differ before the broadcast"
     print0("before: replicas differ (each rank used its own seed)")
+    library = fingerprint(model)
+    dist.broadcast(library, src=0)  # The library's copy of rank 0's state, to check ours against.
     # ...until rank 0's parameters and buffers are broadcast. DDP's constructor does this. Identical
     # gradients applied to identical weights then keep the replicas identical ever after.
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
             tree_broadcast(tensor.data, src=0)  # Always rank 0, as in DDP, whatever --src says.
-    assert all_identical(fingerprint(model)), "replicas differ after broadcasting rank 0's state"
+    assert torch.equal(fingerprint(model), library), "the replicas do not hold rank 0's state"
     print0("after:  replicas identical, with rank 0's parameters and buffers. "
            "DDP always starts from rank 0's weights.")
     print0(f"OK dist.broadcast, tree_broadcast and replica sync checked on {WORLD} ranks")

@@ -147,7 +147,7 @@ def trace_ring(device):
 
 def main(args):
     if WORLD < 2:  # A ring of one has no neighbour to pass chunks to.
-        raise UsageError("this lesson needs 2 ranks or more, so launch with torchrun, "
+        raise UsageError("this lesson needs 2 or more ranks, so launch with torchrun, "
                          f"e.g. torchrun --nproc_per_node=2 {sys.argv[0]}")
     device = setup(args)
     if args.trace:

@@ -39,8 +39,8 @@ class DistributedSampler(torch.utils.data.Sampler):
         self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
         self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
         n = len(dataset)
-        # Every rank must get as many samples. Otherwise one rank runs an extra step, and its
-        # gradient all-reduce waits forever. So drop the tail, or pad with repeats.
+        # Every rank must get the same number of samples. Otherwise one rank runs an extra step,
+        # and its gradient all-reduce waits forever. So drop the tail, or pad with repeats.
         self.num_samples = n // num_replicas if drop_last else math.ceil(n / num_replicas)
         self.total_size = self.num_samples * num_replicas
 
@@ -79,7 +79,7 @@ def log_in_rank_order(line):  # Rank 0 prints every rank's line, in rank order, 
 
 def main(args):
     if WORLD < 2:  # One rank takes the whole dataset. There is nothing to shard and nothing to pad.
-        raise UsageError("this lesson needs 2 ranks or more, so launch with torchrun, "
+        raise UsageError("this lesson needs 2 or more ranks, so launch with torchrun, "
                          "e.g. torchrun --nproc_per_node=2 04_sampler.py")
     device = setup(args)  # RANK and WORLD come from torchrun's environment, as 01 shows.
     data = list(range(args.dataset_size))
