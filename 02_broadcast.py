@@ -1,19 +1,22 @@
-"""02 - Broadcast: one rank's tensor on every rank, and why DDP starts with one.
+"""02 - Broadcast. One rank's tensor ends up on every rank, and DDP starts with one.
 
-What it teaches, in order:
-  1. dist.broadcast from a chosen --src: each rank's tensor before and after;
-  2. the same thing by hand on send/recv: a binomial tree that doubles the ranks holding the data every round,
-     so N ranks need ceil(log2 N) rounds instead of N-1 sends from the source; checked equal to dist.broadcast;
-  3. why DDP broadcasts at start-up: replicas built with different seeds differ, and broadcasting rank 0's
-     parameters and buffers makes them identical (checked on every rank).
+It teaches three things, in this order.
+  1. dist.broadcast from a source rank you choose. Each rank prints its tensor before and after.
+  2. The same by hand, on send and recv. The ranks that hold the data double in number every round,
+     like a tree's branches. So N ranks need ceil(log2 N) rounds, not N-1 sends from the source.
+     This binomial tree is checked equal to dist.broadcast.
+  3. Why DDP broadcasts when it starts. Replicas built with different seeds differ. Broadcasting
+     rank 0's parameters and buffers makes them identical, and every rank checks that.
 
-Run it (any N >= 2):
-  CPU:      torchrun --nproc_per_node=2 02_broadcast.py [--src 1]
-  N GPUs:   torchrun --nproc_per_node=N 02_broadcast.py        (nccl, one GPU per rank)
-  2 nodes:  torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 02_broadcast.py
+Run it on the CPU with rank 2 of 3 as the source, or on N GPUs:
+  torchrun --nproc_per_node=3 02_broadcast.py --src 2
+  torchrun --nproc_per_node=N 02_broadcast.py   # on N GPUs, one per rank, with NCCL
+On 2 nodes of G processes each, run this on node K = 0 and on node K = 1:
+  torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST 02_broadcast.py
 """
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -27,57 +30,63 @@ import torch.nn as nn
 
 # --- the idea: a binomial-tree broadcast on point-to-point messages ---
 def tree_broadcast(tensor, src=0):
-    """Overwrite ``tensor`` on every rank with ``src``'s copy, in place. Returns the number of rounds.
+    """Overwrite tensor on every rank with src's copy, in place. Returns the number of rounds.
 
-    Ranks are renumbered relative to the source (vrank 0 = src). In round k the 2**k ranks that already
-    hold the data (vranks < 2**k) each send it to vrank + 2**k. Within a round every rank is in at most
-    one pair, so blocking send/recv cannot deadlock, on gloo or NCCL.
+    The ranks are renumbered so that the source is vrank 0. In round k, the 2**k ranks that hold
+    the data (vranks below 2**k) each send it to vrank + 2**k. Within a round, every rank is in one
+    pair at most. So blocking send and recv cannot deadlock, on gloo or NCCL.
     """
-    if tensor.is_cuda and dist.get_backend() == "gloo":
-        # gloo's send/recv move host memory only (its CUDA support covers collectives): go through a CPU copy.
-        host = tensor.cpu()
-        rounds = tree_broadcast(host, src)
-        tensor.copy_(host)
-        return rounds
     rank, world = dist.get_rank(), dist.get_world_size()
     vrank = (rank - src) % world
     rounds = math.ceil(math.log2(world)) if world > 1 else 0
-    for k in range(rounds):
-        step = 1 << k
-        if vrank < step and vrank + step < world:
-            dist.send(tensor, dst=(vrank + step + src) % world)
-        elif step <= vrank < 2 * step:
-            dist.recv(tensor, src=(vrank - step + src) % world)
+    with sendable(tensor) as t:  # A CPU copy under gloo, which sends CPU memory only.
+        for k in range(rounds):
+            step = 1 << k
+            if vrank < step and vrank + step < world:
+                dist.send(t, dst=(vrank + step + src) % world)
+            elif step <= vrank < 2 * step:
+                dist.recv(t, src=(vrank - step + src) % world)
     return rounds
+
+
+@contextlib.contextmanager
+def sendable(tensor):
+    """tensor itself, or a CPU copy that is written back at the end. gloo's send and recv move CPU
+    memory only. Its CUDA support covers the collectives."""
+    host = tensor.cpu() if tensor.is_cuda and dist.get_backend() == "gloo" else tensor
+    yield host
+    if host is not tensor:
+        tensor.copy_(host)
 
 
 # --- a model to replicate ---
 def make_model(seed):
     torch.manual_seed(seed)
-    # BatchNorm carries buffers (running stats): DDP must broadcast those too, not only parameters.
+    # BatchNorm carries buffers, its running statistics. DDP broadcasts those too, not only weights.
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
 
 
 def fingerprint(model):
-    """Every parameter and buffer, flattened: equal fingerprints mean identical replicas."""
-    return torch.cat([t.detach().float().flatten() for t in list(model.parameters()) + list(model.buffers())])
+    """Every parameter and buffer, flattened. Equal fingerprints mean identical replicas."""
+    return torch.cat([t.float().flatten() for t in model.state_dict().values()])
 
 
 def all_identical(vec):
-    """True on every rank iff ``vec`` is bitwise equal on all ranks (each rank compares with rank 0's)."""
+    """True on every rank if vec is bitwise equal on all ranks. Each rank compares with rank 0's."""
     ref = vec.clone()
     dist.broadcast(ref, src=0)
     differs = torch.tensor([0.0 if torch.equal(ref, vec) else 1.0], device=vec.device)
-    dist.all_reduce(differs, op=dist.ReduceOp.MAX)  # one answer everyone agrees on
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX)  # One answer, the same on every rank.
     return differs.item() == 0
 
 
 def main(args):
-    if WORLD < 2:  # replicas to make identical, and a source to broadcast from, need two ranks at least
-        raise UsageError(f"needs 2 or more ranks: launch with torchrun, e.g. torchrun --nproc_per_node=2 {sys.argv[0]}")
-    device = setup(args)  # RANK and WORLD come from torchrun's environment (01 shows them)
+    if WORLD < 2:  # A source and a replica to make identical need two ranks at least.
+        raise UsageError("this lesson needs 2 or more ranks, so launch with torchrun, "
+                         f"e.g. torchrun --nproc_per_node=2 {sys.argv[0]}")
+    device = setup(args)  # RANK and WORLD come from torchrun's environment, as 01 shows.
 
-    # 1. The library call. Every rank starts with a tensor of its own and ends with --src's, in place.
+    # 1. The library's call. Every rank starts with a tensor of its own and ends with --src's.
     t = torch.arange(4, device=device) + 100 * RANK
     log_in_rank_order(f"before dist.broadcast: {t.tolist()}")
     dist.broadcast(t, src=args.src)
@@ -86,7 +95,7 @@ def main(args):
 
     # 2. By hand, on a bigger tensor and several dtypes, compared with the library's result.
     for dtype in (torch.float32, torch.int64, torch.bfloat16):
-        g = torch.Generator().manual_seed(1234 + RANK)  # a different tensor on every rank
+        g = torch.Generator().manual_seed(1234 + RANK)  # A different tensor on every rank.
         mine = (torch.randn(args.numel, generator=g) * 100).to(dtype).to(device)
         ours, lib = mine.clone(), mine.clone()
         rounds = tree_broadcast(ours, src=args.src)
@@ -95,25 +104,28 @@ def main(args):
     print0(f"tree_broadcast == dist.broadcast ({args.numel:,} elements; float32, int64, bfloat16) "
            f"in ceil(log2 {WORLD}) = {rounds} round(s)")
 
-    # 3. Replicas with different seeds (as if each rank initialised its own model) are not identical...
+    # 3. Each rank builds its own model, with its own seed. These replicas differ...
     model = make_model(seed=RANK).to(device)
     with torch.no_grad():
-        model[1].running_mean.fill_(RANK)  # pretend each rank saw different data: buffers differ too
+        model[1].running_mean.fill_(RANK)  # As if each rank saw other data. Buffers differ too.
     assert not all_identical(fingerprint(model)), "replicas should differ before the broadcast"
     print0("before: replicas differ (each rank used its own seed)")
-    # ...until rank 0's parameters and buffers are broadcast. This is what DDP's constructor does, so that
-    # identical gradients applied to identical weights keep the replicas identical forever after.
+    library = fingerprint(model)
+    dist.broadcast(library, src=0)  # The library's copy of rank 0's state, to check ours against.
+    # ...until rank 0's parameters and buffers are broadcast. DDP's constructor does this. Identical
+    # gradients applied to identical weights then keep the replicas identical ever after.
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
-            tree_broadcast(tensor.data, src=0)
-    assert all_identical(fingerprint(model)), "replicas differ after broadcasting rank 0's state"
-    print0("after:  replicas identical (rank 0's parameters and buffers broadcast)")
+            tree_broadcast(tensor.data, src=0)  # Always rank 0, as in DDP, whatever --src says.
+    assert torch.equal(fingerprint(model), library), "the replicas do not hold rank 0's state"
+    print0("after:  replicas identical, with rank 0's parameters and buffers. "
+           "DDP always starts from rank 0's weights.")
     print0(f"OK dist.broadcast, tree_broadcast and replica sync checked on {WORLD} ranks")
 
 
 # --- plumbing the lesson calls: ordered output, flags ---
 def log_in_rank_order(line):
-    """Every rank's line, printed by rank 0 in rank order: lines that each rank prints itself race each other."""
+    """Every rank's line, printed by rank 0 in rank order. Lines printed by each rank would race."""
     lines = [None] * WORLD
     dist.all_gather_object(lines, line)
     for r, text in enumerate(lines):
@@ -122,11 +134,12 @@ def log_in_rank_order(line):
 
 def parse_args():
     p = Parser(__doc__)
-    p.add_argument("--src", type=int, default=0, help="rank whose tensor is broadcast")
-    p.add_argument("--numel", type=at_least(1), default=100_000, help="elements in the tensors broadcast by hand")
+    p.add_argument("--src", type=int, default=0, help="the rank that steps 1 and 2 broadcast from")
+    p.add_argument("--numel", type=at_least(1), default=100_000,
+                   help="elements in the tensors broadcast by hand")
     a = p.parse_args()
-    if not 0 <= a.src < WORLD:  # checked before any process group starts
-        p.error(f"--src {a.src} is not a rank: WORLD_SIZE={WORLD}")
+    if not 0 <= a.src < WORLD:  # Checked before any process group starts.
+        p.error(f"--src {a.src} is not a rank of this job, whose ranks are 0 to {WORLD - 1}")
     return a
 
 

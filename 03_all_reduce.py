@@ -1,16 +1,19 @@
-"""03 - All-reduce: every rank ends with the sum of everyone's tensor. DDP is this, applied to gradients.
+"""03 - All-reduce. Every rank ends with the sum of everyone's tensor. DDP does this to gradients.
 
-ring_all_reduce() is the bandwidth-optimal ring by hand: a reduce-scatter (N-1 steps; each rank ends owning the sum
-of one chunk), then an all-gather (N-1 steps; the owned chunks go round). Each rank sends 2(N-1)/N of the data
-whatever N is: that is why rings scale. pipelined_ring_all_reduce(), the same ring in pieces, is as fast as gloo's.
+ring_all_reduce() does it by hand, with the ranks in a ring, in two phases of N-1 steps. First, a
+reduce-scatter leaves each rank owning the whole sum of one chunk. Then an all-gather passes the
+owned chunks round. Each rank sends 2(N-1)/N of the data, whatever N is. That is why rings scale.
+For a second read, pipelined_ring_all_reduce() runs the same ring in pieces, as fast as gloo's.
 
-Run it (any N >= 2):
-  CPU:      torchrun --nproc_per_node=3 03_all_reduce.py [--trace]     (--trace: the ring step by step)
-  N GPUs:   torchrun --nproc_per_node=N 03_all_reduce.py        (nccl, one GPU per rank)
-  2 nodes:  torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 03_all_reduce.py
+Run it on the CPU, where --trace prints the ring step by step, or on N GPUs:
+  torchrun --nproc_per_node=3 03_all_reduce.py [--trace]
+  torchrun --nproc_per_node=N 03_all_reduce.py   # on N GPUs, one per rank, with NCCL
+On 2 nodes of G processes each, run this on node K = 0 and on node K = 1:
+  torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST 03_all_reduce.py
 """
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -23,107 +26,116 @@ import torch.distributed as dist
 
 # --- the idea: a ring all-reduce on point-to-point messages ---
 def ring_all_reduce(tensor, trace=None):
-    """Sum ``tensor`` over all ranks, in place, with a ring of point-to-point messages; returns it. Any shape and
-    size, float or integer. Every rank ends bit-identical: each chunk is summed by one rank (its owner), then copied,
-    never re-added. ``trace(phase, step, chunk sent, chunk received, chunks)``, if given, runs after every step."""
+    """Sum tensor over all ranks, in place, with messages around a ring. Returns tensor.
+
+    It takes any shape and size, float or integer. Every rank ends with the same bits, because one
+    rank adds up each chunk (its owner) and the others only copy it. If trace is given, it runs
+    after every step, as trace(phase, step, chunk sent, chunk received, chunks)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if tensor.is_cuda and dist.get_backend() == "gloo":  # gloo's send/recv move host memory only: ring a CPU copy
-        return tensor.copy_(ring_all_reduce(tensor.cpu(), trace))
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    chunks = flat.tensor_split(world)  # N views; sizes differ by at most one element, chunk 0 the largest
-    inbox = torch.empty_like(chunks[0])  # a receive buffer for any chunk
     right, left = (rank + 1) % world, (rank - 1) % world
-    # Reduce-scatter. In step s, rank r sends chunk r-s and receives chunk r-s-1, adding it to its own.
-    # After N-1 steps rank r holds the complete sum of chunk r+1: it is that chunk's owner.
-    for s in range(world - 1):
-        i_send, i_recv = (rank - s) % world, (rank - s - 1) % world
-        exchange(chunks[i_send], inbox[:chunks[i_recv].numel()], right, left)
-        chunks[i_recv].add_(inbox[:chunks[i_recv].numel()])
-        if trace:
-            trace("reduce-scatter", s, i_send, i_recv, chunks)
-    # All-gather. The owners pass finished chunks on; receivers overwrite (no addition), so the bits match.
-    for s in range(world - 1):
-        i_send, i_recv = (rank + 1 - s) % world, (rank - s) % world
-        exchange(chunks[i_send], chunks[i_recv], right, left)
-        if trace:
-            trace("all-gather", s, i_send, i_recv, chunks)
-    if flat.data_ptr() != tensor.data_ptr():  # we worked on a contiguous copy: write it back
-        tensor.copy_(flat.view_as(tensor))
+    with flat_sendable(tensor) as flat:  # One flat tensor, in memory the backend can send.
+        chunks = flat.tensor_split(world)  # N views. Sizes differ by one at most.
+        inbox = torch.empty_like(chunks[0])  # Room for any chunk. Chunk 0 is the largest.
+        # Reduce-scatter. In step s, rank r sends chunk r-s and adds the chunk r-s-1 that arrives.
+        # After N-1 steps, rank r holds the whole sum of chunk r+1. It is that chunk's owner.
+        for s in range(world - 1):
+            i_send, i_recv = (rank - s) % world, (rank - s - 1) % world
+            exchange(chunks[i_send], inbox[:chunks[i_recv].numel()], right, left)
+            chunks[i_recv].add_(inbox[:chunks[i_recv].numel()])
+            if trace:
+                trace("reduce-scatter", s, i_send, i_recv, chunks)
+        # All-gather. Owners pass finished chunks on. The rest copy them, never add, so bits match.
+        for s in range(world - 1):
+            i_send, i_recv = (rank + 1 - s) % world, (rank - s) % world
+            exchange(chunks[i_send], chunks[i_recv], right, left)
+            if trace:
+                trace("all-gather", s, i_send, i_recv, chunks)
     return tensor
 
 
 def exchange(send, recv, right, left):
-    """Send right and receive from the left at once: blocking sends all round the ring would deadlock (01
-    --blocking). Empty chunks (fewer elements than ranks) are skipped; on a GPU, wait() only orders the streams."""
+    """Send to the right and receive from the left, both at once. Blocking sends all round the ring
+    would deadlock. Empty chunks, when there are fewer elements than ranks, are skipped."""
     ops = [dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)]
     ops = [op for op in ops if op.tensor.numel()]
     if ops:
-        wait_all(dist.batch_isend_irecv(ops))
+        wait_all(dist.batch_isend_irecv(ops))  # On a GPU, wait() only orders the streams.
 
 
 def wait_all(reqs):
     for req in reqs:
         req.wait()
-    reqs.clear()
 
 
-# --- the same ring, pipelined: cut into pieces, piece j is added and sent on while piece j+1 is on the wire ---
-PIECE_BYTES = 1 << 20  # benchmarks/README.md: 1-4 MiB alike on 2 ranks here; 64 KiB (a wake-up each), 2.5x slower
-_staging = {}  # dtype -> receive buffers kept between calls: fresh memory costs a page fault per 4 KiB
+@contextlib.contextmanager
+def flat_sendable(tensor):
+    """tensor's memory seen flat, or a flat copy that is written back at the end. It copies when
+    tensor is not contiguous, or on a GPU under gloo, whose send and recv move CPU memory only."""
+    flat = tensor.cpu() if tensor.is_cuda and dist.get_backend() == "gloo" else tensor
+    flat = flat.contiguous().view(-1)  # The same memory if it was contiguous already.
+    yield flat
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+
+
+# --- a second read: the same ring, pipelined. Skip it on a first pass. ---
+PIECE_BYTES = 1 << 20  # 1-4 MiB run alike here. 64 KiB is 2.5x slower (benchmarks/README.md).
+_staging = {}  # dtype -> receive buffers kept between calls. Fresh memory faults once per 4 KiB.
 
 
 def pipelined_ring_all_reduce(tensor, piece_bytes=PIECE_BYTES):
-    """ring_all_reduce in messages of at most ``piece_bytes``: the same additions in the same order (so the same bits
-    on any N), the same bytes sent. A GPU tensor goes to ring_all_reduce: its GPU queues transfers and adds alike."""
+    """ring_all_reduce with each chunk cut into pieces of piece_bytes at most. Piece j is added and
+    sent on while piece j+1 is on the wire. The additions and their order are the same, so are the
+    bits on any N, and so are the bytes sent. A GPU tensor goes to ring_all_reduce. Its GPU queues
+    transfers and additions alike, so they overlap already."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if tensor.is_cuda:
         return ring_all_reduce(tensor)
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    chunks = flat.tensor_split(world)
-    size = (world - 1) * chunks[0].numel()  # staging: a chunk for each step of the reduce-scatter
-    n = max(1, math.ceil(chunks[0].numel() * flat.element_size() / piece_bytes))  # pieces per chunk
+    with flat_sendable(tensor) as flat:
+        chunks = flat.tensor_split(world)
+        size = (world - 1) * chunks[0].numel()  # Staging: a chunk for each reduce-scatter step.
+        n = max(1, math.ceil(chunks[0].numel() * flat.element_size() / piece_bytes))  # Per chunk.
 
-    def pieces(x):  # x's pieces that hold anything (fewer elements than pieces leave the last ones empty)
-        return [p for p in x.tensor_split(n) if p.numel()]
+        def pieces(x):  # x's pieces that hold anything. With few elements, the last ones are empty.
+            return [p for p in x.tensor_split(n) if p.numel()]
 
-    if _staging.get(flat.dtype, flat[:0]).numel() < size:
-        _staging[flat.dtype] = torch.empty(size, dtype=flat.dtype)
-    staging = _staging[flat.dtype][:size].view(world - 1, chunks[0].numel())  # row t: step t's chunk
-    right, left, steps = (rank + 1) % world, (rank - 1) % world, 2 * (world - 1)
-    # As in the lesson, step t receives chunk r-t-1: the first N-1 steps add it, the others copy it in place. Every
-    # receive is posted up front, so every send finds its receive waiting and goes straight onto the wire. In place is
-    # safe before our own send of that chunk is waited for: what arrives there already contains all that we sent.
-    arriving = [chunks[(rank - t - 1) % world] for t in range(steps)]
-    landing = [staging[t][:c.numel()] if t < world - 1 else c for t, c in enumerate(arriving)]
-    receives = [[dist.irecv(p, left) for p in pieces(into)] for into in landing]
-    sends = [dist.isend(p, right) for p in pieces(chunks[rank])]  # step 0 sends our own chunk
-    for t in range(steps):
-        for piece, landed, req in zip(pieces(arriving[t]), pieces(landing[t]), receives[t]):
-            req.wait()
-            if t < world - 1:
-                piece.add_(landed)
-            if t < steps - 1:  # piece j moves on at once, while piece j+1 is still arriving
-                sends.append(dist.isend(piece, right))
-    wait_all(sends)
-    if flat.data_ptr() != tensor.data_ptr():
-        tensor.copy_(flat.view_as(tensor))
+        if _staging.get(flat.dtype, flat[:0]).numel() < size:
+            _staging[flat.dtype] = torch.empty(size, dtype=flat.dtype)
+        staging = _staging[flat.dtype][:size].view(world - 1, chunks[0].numel())  # Row t: step t.
+        right, left, steps = (rank + 1) % world, (rank - 1) % world, 2 * (world - 1)
+        # As in the lesson, step t receives chunk r-t-1. The first N-1 steps add it, the rest copy
+        # it in place. Every receive is posted up front, so each send goes straight onto the wire.
+        # Landing in place is safe before our own send of that chunk is done. It holds what we sent.
+        arriving = [chunks[(rank - t - 1) % world] for t in range(steps)]
+        landing = [staging[t][:c.numel()] if t < world - 1 else c for t, c in enumerate(arriving)]
+        receives = [[dist.irecv(p, left) for p in pieces(into)] for into in landing]
+        sends = [dist.isend(p, right) for p in pieces(chunks[rank])]  # Step 0 sends our own chunk.
+        for t in range(steps):
+            for piece, landed, req in zip(pieces(arriving[t]), pieces(landing[t]), receives[t]):
+                req.wait()
+                if t < world - 1:
+                    piece.add_(landed)
+                if t < steps - 1:  # Piece j moves on at once, while piece j+1 is still arriving.
+                    sends.append(dist.isend(piece, right))
+        wait_all(sends)
     return tensor
 
 
 # --- the ring step by step (--trace), then main: the rings checked against the library ---
 def trace_ring(device):
-    """Every step of ring_all_reduce on one element per chunk. Rank r starts with (c+1) * 10**r in chunk c, so each
-    digit of a sum names the ranks in it (303 = rank 0's 3 + rank 2's 300); int64, so that the sums are exact."""
+    """Every step of ring_all_reduce, on one element per chunk. Rank r starts with (c+1) * 10**r in
+    chunk c. So each digit of a sum names the ranks in it (303 is rank 0's 3 plus rank 2's 300)."""
     start = torch.tensor([(c + 1) * 10**RANK for c in range(WORLD)], device=device)
 
-    def holds(chunks):  # WORLD digits: the widest sum, up to 8 ranks
+    def holds(chunks):  # WORLD digits, as wide as the widest sum. There are 8 ranks at most.
         return "[" + " | ".join(f"{c.item():>{WORLD}}" for c in chunks) + "]"
 
     def step(phase, s, sent, received, chunks):
         verb = "added" if phase == "reduce-scatter" else "copied"
-        print0(f"{phase}, step {s + 1} of {WORLD - 1}: each rank sends a chunk right; the one from the left is {verb}")
-        log_in_rank_order(f"holds {holds(chunks)}  sent chunk {sent} to rank {(RANK + 1) % WORLD}, {verb} chunk "
-                          f"{received} from rank {(RANK - 1) % WORLD}")
+        print0(f"{phase}, step {s + 1} of {WORLD - 1}: each rank sends a chunk right; "
+               f"the one from the left is {verb}")
+        log_in_rank_order(f"holds {holds(chunks)}  sent chunk {sent} to rank {(RANK + 1) % WORLD}, "
+                          f"{verb} chunk {received} from rank {(RANK - 1) % WORLD}")
 
     print0(f"--trace: {WORLD} chunks of one element; rank r starts with (c+1)*10^r in chunk c")
     log_in_rank_order(f"holds {holds(start.tensor_split(WORLD))}")
@@ -134,28 +146,34 @@ def trace_ring(device):
 
 
 def main(args):
-    if WORLD < 2:  # a ring of one has no neighbour to pass chunks to
-        raise UsageError(f"needs 2 or more ranks: launch with torchrun, e.g. torchrun --nproc_per_node=2 {sys.argv[0]}")
+    if WORLD < 2:  # A ring of one has no neighbour to pass chunks to.
+        raise UsageError("this lesson needs 2 or more ranks, so launch with torchrun, "
+                         f"e.g. torchrun --nproc_per_node=2 {sys.argv[0]}")
     device = setup(args)
     if args.trace:
         trace_ring(device)
-    for shape, dtype in [((1000, 37), torch.float32), ((3,), torch.int64), ((WORLD - 1,), torch.float64)]:
-        x = (torch.randn(shape, generator=torch.Generator().manual_seed(RANK)) * 10).to(dtype).to(device)
-        ours, piped, lib = ring_all_reduce(x.clone()), pipelined_ring_all_reduce(x.clone(), 4096), x.clone()
+    for shape, dtype in [((1000, 37), torch.float32), ((3,), torch.int64),
+                         ((WORLD - 1,), torch.float64)]:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(RANK)) * 10
+        x, lib = x.to(dtype).to(device), x.to(dtype).to(device)
+        ours, piped = ring_all_reduce(x.clone()), pipelined_ring_all_reduce(x.clone(), 4096)
         dist.all_reduce(lib)
-        # Two terms add alike in either order; three or more, summed in another order, may round differently.
+        # Two terms add alike in either order. Three or more may round differently in another order.
         exact = WORLD == 2 or not dtype.is_floating_point
-        assert torch.equal(ours, lib) if exact else torch.allclose(ours, lib, rtol=1e-5, atol=1e-5), (shape, dtype)
-        assert torch.equal(piped, ours), f"pipelined_ring_all_reduce != ring_all_reduce for {shape} {dtype}"
-        print0(f"  ring {'==' if exact else '~='} library, pipelined == ring  shape={tuple(shape)} dtype={dtype}")
+        close = torch.equal(ours, lib) if exact else torch.allclose(ours, lib, rtol=1e-5, atol=1e-5)
+        assert close, (shape, dtype)
+        assert torch.equal(piped, ours), f"pipelined ring != ring for {shape} {dtype}"
+        print0(f"  ring {'==' if exact else '~='} library, pipelined == ring  "
+               f"shape={tuple(shape)} dtype={dtype}")
     done = torch.ones(1, device=device)
-    dist.all_reduce(done)  # every rank reports in, so the OK below speaks for all of them
+    dist.all_reduce(done)  # Every rank reports in, so the OK below speaks for all of them.
     assert done.item() == WORLD
-    print0(f"OK ring_all_reduce and pipelined_ring_all_reduce checked against dist.all_reduce on {WORLD} ranks")
+    print0("OK ring_all_reduce and pipelined_ring_all_reduce checked against dist.all_reduce "
+           f"on {WORLD} ranks")
 
 
 # --- plumbing the lesson calls: ordered output, flags ---
-def log_in_rank_order(line):  # every rank's line, printed by rank 0 in rank order (lines printed by each race)
+def log_in_rank_order(line):  # Rank 0 prints every rank's line, in rank order, so none race.
     lines = [None] * WORLD
     dist.all_gather_object(lines, line)
     for r, text in enumerate(lines):
@@ -164,10 +182,10 @@ def log_in_rank_order(line):  # every rank's line, printed by rank 0 in rank ord
 
 def parse_args():
     p = Parser(__doc__)
-    p.add_argument("--trace", action="store_true", help="first, print every step of the ring (best on 3 or 4 ranks)")
+    p.add_argument("--trace", action="store_true", help="first, print the ring step by step")
     args = p.parse_args()
-    if args.trace and WORLD > 8:  # checked before any process group starts
-        p.error(f"--trace prints every step of every rank: run it on 2 to 8 ranks, not {WORLD}")
+    if args.trace and WORLD > 8:  # Checked before any process group starts.
+        p.error(f"--trace prints every step of every rank, so run it on 2 to 8 ranks, not {WORLD}")
     return args
 
 

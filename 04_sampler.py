@@ -1,16 +1,17 @@
-"""04 - DistributedSampler by hand: which samples each rank sees, and the padding that fools your metrics.
+"""04 - DistributedSampler by hand. Which samples each rank sees, and padding that fools metrics.
 
-What it teaches, in order:
-  1. DistributedSampler: shuffle with one seed shared by all ranks (so they agree on the permutation), pad it to a
-     multiple of N, and give rank r every N-th index from r: the indices of torch's, checked on every rank;
-  2. the padding: the first samples repeat so every rank gets as many batches (drop_last drops the tail instead);
-  3. set_epoch: without it every epoch replays the same order (break it: --no-set-epoch);
-  4. the evaluation pitfall: the padded duplicates are counted twice in a distributed accuracy, and the fix.
+It teaches four things, in this order.
+  1. How the sampler shards the data. All ranks shuffle with one shared seed, so they agree on the
+     order. Rank r then takes every N-th index, from index r. The indices equal torch's.
+  2. The padding. The first samples repeat so that all ranks get as many. drop_last drops the tail.
+  3. set_epoch. Without it, every epoch replays the same order. Break it with --no-set-epoch.
+  4. A pitfall in evaluation. The repeats count twice in a distributed accuracy. Then the fix.
 
-Run it (any N >= 2):
-  CPU:      torchrun --nproc_per_node=3 04_sampler.py [--no-set-epoch]
-  N GPUs:   torchrun --nproc_per_node=N 04_sampler.py        (nccl, one GPU per rank)
-  2 nodes:  torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 04_sampler.py
+Run it on the CPU with 2 ranks or more, or on N GPUs:
+  torchrun --nproc_per_node=3 04_sampler.py [--no-set-epoch]
+  torchrun --nproc_per_node=N 04_sampler.py   # on N GPUs, one per rank, with NCCL
+On 2 nodes of G processes each, run this on node K = 0 and on node K = 1:
+  torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST 04_sampler.py
 """
 
 import argparse
@@ -26,106 +27,118 @@ import torch.utils.data
 
 # --- the idea: a distributed sampler ---
 class DistributedSampler(torch.utils.data.Sampler):
-    """Shard ``dataset``'s indices across ``num_replicas`` ranks; the same indices as torch's sampler."""
-    def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0, drop_last=False):
-        # Defaults come from the process group, so inside a torchrun job no arguments are needed.
+    """Shard a dataset's indices across num_replicas ranks, as torch's sampler does."""
+    def __init__(self, dataset, num_replicas=None, rank=None, shuffle=True, seed=0,
+                 drop_last=False):
+        # The defaults come from the process group, so a torchrun job needs no arguments.
         num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
         rank = dist.get_rank() if rank is None else rank
         if not 0 <= rank < num_replicas:
-            raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]")
+            raise ValueError(f"Invalid rank {rank}, rank should be in the interval "
+                             f"[0, {num_replicas - 1}]")
         self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
         self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
         n = len(dataset)
-        # Every rank must get the same number of samples, or the ranks would run different numbers of steps and
-        # the gradient all-reduce of the extra step would wait forever: drop the tail, or pad with repeats.
+        # Every rank must get the same number of samples. Otherwise one rank runs an extra step,
+        # and its gradient all-reduce waits forever. So drop the tail, or pad with repeats.
         self.num_samples = n // num_replicas if drop_last else math.ceil(n / num_replicas)
         self.total_size = self.num_samples * num_replicas
 
     def set_epoch(self, epoch):
-        """Call before each epoch: the shuffle seed is seed + epoch, so forgetting this repeats the order."""
+        """Call it before each epoch. The seed is seed + epoch, so without it the order repeats."""
         self.epoch = epoch
 
     def __iter__(self):
         n = len(self.dataset)
         indices = list(range(n))
         if self.shuffle:
-            # A generator seeded identically on every rank gives every rank the same permutation; the ranks
-            # then take disjoint slices of it. (A per-rank seed here would overlap and miss samples.)
-            indices = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        # Pad by cycling through the (shuffled) list from its start: these are the duplicates. With drop_last
-        # there is nothing to pad (total_size <= n), and the slice below leaves out the tail.
+            # One seed on every rank gives every rank the same order, and each takes its own slice.
+            # A seed per rank would make the slices overlap and miss samples.
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(n, generator=g).tolist()
+        # Pad by cycling through the shuffled list from its start. These are the repeats. With
+        # drop_last there is nothing to pad, and the slice below leaves out the tail.
         indices += [indices[i % n] for i in range(self.total_size - n)]
-        return iter(indices[self.rank : self.total_size : self.num_replicas])  # every N-th, from our rank
+        return iter(indices[self.rank : self.total_size : self.num_replicas])  # Every N-th.
 
     def __len__(self):
         return self.num_samples
 
 
 # --- the demo ---
-def gather(obj):  # every rank's obj, on every rank, in rank order
+def gather(obj):  # Every rank's obj, on every rank, in rank order.
     out = [None] * WORLD
     dist.all_gather_object(out, obj)
     return out
 
 
-def log_in_rank_order(line):  # rank 0 prints every rank's line, in rank order: lines each rank printed would race
+def log_in_rank_order(line):  # Rank 0 prints every rank's line, in rank order, so none race.
     for r, text in enumerate(gather(line)):
         print0(f"[rank {r}/{WORLD}] {text}")
 
 
 def main(args):
-    if WORLD < 2:  # one rank takes the whole dataset: nothing to shard, no padding to see
-        raise UsageError("needs 2 or more ranks: launch with torchrun, e.g. torchrun --nproc_per_node=2 04_sampler.py")
-    device = setup(args)  # RANK and WORLD come from torchrun's environment (01 shows them)
+    if WORLD < 2:  # One rank takes the whole dataset. There is nothing to shard and nothing to pad.
+        raise UsageError("this lesson needs 2 or more ranks, so launch with torchrun, "
+                         "e.g. torchrun --nproc_per_node=2 04_sampler.py")
+    device = setup(args)  # RANK and WORLD come from torchrun's environment, as 01 shows.
     data = list(range(args.dataset_size))
 
     # 1. Ours against torch's, for both drop_last settings and two epochs, on every rank.
     for drop_last in (False, True):
         ours = DistributedSampler(data, shuffle=True, seed=args.seed, drop_last=drop_last)
-        ref = torch.utils.data.DistributedSampler(data, shuffle=True, seed=args.seed, drop_last=drop_last)
+        ref = torch.utils.data.DistributedSampler(data, seed=args.seed, drop_last=drop_last)
         for epoch in (0, 1):
             ours.set_epoch(epoch)
             ref.set_epoch(epoch)
             assert list(ours) == list(ref) and len(ours) == len(ref), (drop_last, epoch)
-    log_in_rank_order(f"epoch 0 indices: {list(DistributedSampler(data, seed=args.seed))}  (== torch's)")
-
-    # 2. Padding: all ranks together see total_size samples, some twice (or, with drop_last, some never).
     sampler = DistributedSampler(data, seed=args.seed)
+    log_in_rank_order(f"epoch 0 indices: {list(sampler)}  (== torch's)")
+
+    # 2. The padding. All ranks together see total_size samples, so some come twice.
     everyone = sum(gather(list(sampler)), [])
     dupes = sorted({i for i in everyone if everyone.count(i) > 1})
     print0(f"padding: {sampler.total_size} slots for {len(data)} samples -> seen twice: {dupes}")
-    dropped = sorted(set(data) - set(sum(gather(list(DistributedSampler(data, seed=args.seed, drop_last=True))), [])))
-    print0(f"drop_last=True instead: {len(data) - len(dropped)} samples used, never seen this epoch: {dropped}")
+    used = sum(gather(list(DistributedSampler(data, seed=args.seed, drop_last=True))), [])
+    print0(f"drop_last=True instead: {len(set(used))} samples used, "
+           f"never seen this epoch: {sorted(set(data) - set(used))}")
 
-    # 3. set_epoch: the shuffle seed is seed + epoch, so the loop tells the sampler the epoch, on every rank alike.
+    # 3. set_epoch. The seed is seed + epoch, so the loop tells the sampler the epoch.
+    orders = []
     for epoch in range(3):
         if not args.no_set_epoch:
             sampler.set_epoch(epoch)
-        log_in_rank_order(f"epoch {epoch}: {list(sampler)}")
-    if args.no_set_epoch:
-        raise UsageError("every epoch replayed epoch 0's order, on every rank: the sampler shuffles with seed + epoch, "
-                         "and without set_epoch its epoch stays 0; call sampler.set_epoch(epoch) before each epoch")
+        orders.append(list(sampler))
+        log_in_rank_order(f"epoch {epoch}: {orders[-1]}")
+    if args.no_set_epoch:  # Break it. Every rank checks that each epoch replayed epoch 0's order.
+        assert all(gather(orders == [orders[0]] * 3)), "an epoch changed the order"
+        print0("without set_epoch the epoch stays 0, so seed + epoch and the order never change")
+        print0("OK --no-set-epoch showed the bug. Call sampler.set_epoch(epoch) before each epoch.")
+        return
 
-    # 4. Evaluation (of any epoch's order). Pretend the model is right on every index that is not a multiple of 3.
+    # 4. Evaluation. Pretend the model is right on every index that is not a multiple of 3.
     correct = torch.tensor([float(i % 3 != 0) for i in sampler], device=device)
-    # The fix: slot k of rank r is position k*N + r of the padded list; positions >= len(data) are padding.
-    real = torch.tensor([k * WORLD + RANK < len(data) for k in range(len(correct))], dtype=torch.float32, device=device)
-    # Naive (duplicates count twice), then masked: SUM the counts, divide once (a mean of per-rank means is wrong too).
-    counts = torch.stack([correct.sum(), torch.ones_like(correct).sum(), (correct * real).sum(), real.sum()])
+    # The fix. Slot k of rank r is position k*N + r of the padded list. Past len(data) is padding.
+    real = (torch.arange(len(correct), device=device) * WORLD + RANK < len(data)).float()
+    # Naive counts, with the repeats twice, then masked ones. SUM the counts, then divide once. A
+    # mean of the ranks' means would be wrong too.
+    counts = torch.stack([correct.sum(), torch.ones_like(correct).sum(), (correct * real).sum(),
+                          real.sum()])
     dist.all_reduce(counts)
-    naive, fixed, exact = counts[0] / counts[1], counts[2] / counts[3], sum(i % 3 != 0 for i in data) / len(data)
+    naive, fixed = counts[0] / counts[1], counts[2] / counts[3]
+    exact = sum(i % 3 != 0 for i in data) / len(data)
     assert abs(fixed.item() - exact) < 1e-6, (fixed, exact)
-    print0(f"accuracy: exact {exact:.4f} | naive distributed {naive:.4f} over {counts[1]:.0f} samples "
-           f"| padding masked {fixed:.4f} over {counts[3]:.0f} samples")
+    print0(f"accuracy: exact {exact:.4f} | naive distributed {naive:.4f} over {counts[1]:.0f} "
+           f"samples | padding masked {fixed:.4f} over {counts[3]:.0f} samples")
     print0(f"OK DistributedSampler equals torch's on {WORLD} ranks; padded evaluation fixed")
 
 
 # --- plumbing the lesson calls: flags ---
 def parse_args():
     p = Parser(__doc__)
-    p.add_argument("--dataset-size", type=at_least(1), default=11, help="samples in the toy dataset (try N+1)")
-    p.add_argument("--seed", type=at_least(0, below=2**32), default=0, help="shuffle seed, shared by all ranks")
-    p.add_argument("--no-set-epoch", action="store_true", help="break it: never call set_epoch, see what repeats")
+    p.add_argument("--dataset-size", type=at_least(1), default=11, help="samples (try N+1)")
+    p.add_argument("--seed", type=at_least(0, below=2**32), default=0, help="the shuffle's seed")
+    p.add_argument("--no-set-epoch", action="store_true", help="break it: never call set_epoch")
     return p.parse_args()
 
 

@@ -1,5 +1,7 @@
 """launch_multinode.sh: its output, its errors, and its printed commands really running on 2 loopback nodes."""
 
+import json
+import os
 import shlex
 import subprocess
 import sys
@@ -37,31 +39,69 @@ def test_bad_arguments(args, message):
     assert res.stderr.count("\n") == 1 and message in res.stderr, res.stderr
 
 
-@pytest.mark.parametrize("nodes,nproc,port", [("010", "08", "029500"), ("8", "2", "99")])
-def test_numbers_are_decimal(nodes, nproc, port):
-    out = sh("--nodes", nodes, "--nproc-per-node", nproc, "--master-addr", "h", "--master-port", port).stdout
-    static = [shlex.split(ln) for ln in out.splitlines() if ln.startswith("torchrun") and "--node_rank" in ln]
-    assert len(static) == int(nodes, 10) and all(f"--nnodes={int(nodes, 10)}" in cmd for cmd in static), out
-    assert all(f"--nproc_per_node={int(nproc, 10)}" in c and f"--master_port={int(port, 10)}" in c for c in static)
+def torchrun_args(words):
+    """A printed torchrun command, read by torchrun's own parser: what torchrun will do with it."""
+    from torch.distributed.run import get_args_parser
+    assert words[0] == "torchrun", words
+    return get_args_parser().parse_args(words[1:])
 
 
-def test_ipv6_master_address_is_bracketed_in_the_endpoint():
-    out = sh("--nodes", "2", "--nproc-per-node", "1", "--master-addr", "fe80::1").stdout
-    elastic = next(shlex.split(ln) for ln in out.splitlines() if "--rdzv-endpoint" in ln and ln.startswith("torch"))
-    assert "--rdzv-endpoint=[fe80::1]:29500" in elastic, elastic
+def run_sbatch(text, tmp_path, nodelist, job_id):
+    """The printed SLURM batch script, run by bash as SLURM runs it on the first node, with stand-ins for scontrol
+    (it lists the nodes) and srun (it records what it was asked to start). Returns srun's arguments and the
+    environment that srun saw."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && echo "$3" | tr , "\\n"\n')
+    (bin_dir / "srun").write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                                  "print(json.dumps([sys.argv[1:], dict(os.environ)]))\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(text)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST=nodelist,
+               SLURM_NNODES=str(len(nodelist.split(","))), SLURM_JOB_ID=job_id)
+    res = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
 
 
-def test_prints_every_form():
-    out = sh("--nodes", "3", "--nproc-per-node", "8", "--master-addr", "10.1.2.3", "--master-port", "1234",
-             "--", "--out", "my dir").stdout
-    static = [ln for ln in out.splitlines() if ln.startswith("torchrun") and "--node_rank" in ln]
-    assert [shlex.split(ln)[2] for ln in static] == ["--node_rank=0", "--node_rank=1", "--node_rank=2"]
-    assert all("--master_addr=10.1.2.3 --master_port=1234 05_manual_ddp_gpt2.py --out my\\ dir" in ln for ln in static)
-    assert "--rdzv-backend=c10d --rdzv-endpoint=10.1.2.3:1234" in out
-    assert "#SBATCH --nodes=3" in out and "srun torchrun" in out
-    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_DEBUG",
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
-        assert f"export {var}=" in out
+@pytest.mark.parametrize("nodes,nproc,port,addr", [("3", "8", "1234", "10.1.2.3"), ("1", "1", None, "node0"),
+                                                   ("010", "08", "029501", "fe80::1")])
+def test_the_printed_commands_are_what_torchrun_needs_on_n_nodes(nodes, nproc, port, addr, tmp_path):
+    """Every form, read by torchrun's own parser. N nodes of G processes make N*G ranks. The static lines give
+    node ranks 0..N-1, one to each line, and the same address and port to all. The c10d line and the SLURM script
+    name the same endpoint, nodes and processes, and SLURM's variables fill in the rest. Numbers are decimal, as
+    torchrun reads them ("010" is ten), and an IPv6 endpoint takes brackets."""
+    args = ["--nodes", nodes, "--nproc-per-node", nproc, "--master-addr", addr, "--script", "03_all_reduce.py"]
+    res = sh(*args, *(["--master-port", port] if port else []), "--", "--trace", "my dir")
+    assert res.returncode == 0, res.stderr
+    n, g, p = int(nodes, 10), int(nproc, 10), int(port or "29500", 10)
+    endpoint = f"[{addr}]:{p}" if ":" in addr else f"{addr}:{p}"
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith(f"# {n} node(s) x {g} process(es) = {n * g} ranks."), lines[0]
+    launched = [torchrun_args(shlex.split(ln)) for ln in lines if ln.startswith("torchrun")]
+    static, elastic = launched[:-1], launched[-1]
+    assert [a.node_rank for a in static] == list(range(n)), res.stdout  # line K is node K
+    for a in static:
+        assert (a.nnodes, a.nproc_per_node, a.master_addr, a.master_port) == (str(n), str(g), addr, p), a
+        assert a.rdzv_backend == "static", a
+    assert (elastic.nnodes, elastic.nproc_per_node, elastic.rdzv_backend, elastic.rdzv_endpoint) == \
+        (str(n), str(g), "c10d", endpoint), elastic
+    assert elastic.rdzv_id not in ("", "none"), elastic  # every node names the same job
+    sbatch = res.stdout[res.stdout.index("#!/bin/bash"):]
+    for line in (f"--nodes={n}", "--ntasks-per-node=1", f"--gpus-per-node={g}"):
+        assert f"#SBATCH {line}\n" in sbatch, sbatch  # one task per node: its torchrun starts the G processes
+    argv, seen = run_sbatch(sbatch, tmp_path, ",".join(f"node{k}" for k in range(n)), "4242")
+    slurm = torchrun_args(argv)
+    assert (slurm.nnodes, slurm.nproc_per_node, slurm.rdzv_backend, slurm.rdzv_endpoint, slurm.rdzv_id) == \
+        (str(n), str(g), "c10d", f"node0:{p}", "4242"), argv  # the first node hosts the rendezvous
+    assert (seen["MASTER_ADDR"], seen["MASTER_PORT"], seen["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]) == \
+        ("node0", str(p), "1"), argv
+    for a in [*launched, slurm]:
+        assert (a.training_script, a.training_script_args) == ("03_all_reduce.py", ["--trace", "my dir"]), a
+    exported = [ln.split()[1].split("=")[0] for ln in lines if ln.startswith("export ")]
+    assert exported[:5] == ["NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_DEBUG",
+                            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"], exported
 
 
 def loopback(form):

@@ -1,5 +1,9 @@
-"""01-04: each script checks itself under 2 and 3 ranks; the hand-written pieces equal the library's."""
+"""01-04 on 3 ranks, where a wrong neighbour shows: each lesson checks itself, and what it prints equals what
+the library says (torch's sampler, the ring's rule, dist.all_reduce); the hand-written pieces equal the library's;
+the break-it flags show the failure they promise and end on the lesson's own line."""
 
+import json
+import math
 import re
 
 import pytest
@@ -7,47 +11,166 @@ import torch.utils.data
 
 import launch
 
-SCRIPTS = {
-    "01_send_recv.py": [],
-    "02_broadcast.py": ["--src", "1"],
-    "03_all_reduce.py": [],
-    "04_sampler.py": [],
-}
+N = 3  # ranks: left and right neighbours differ, chunks differ in size, the tree has a short round
+RUNS = [["01_send_recv.py"], ["02_broadcast.py", "--src", "2", "--numel", "1000"], ["03_all_reduce.py", "--trace"],
+        ["04_sampler.py"], ["04_sampler.py", "--no-set-epoch", "--dataset-size", "7", "--seed", "5"]]
 
 
-@pytest.mark.parametrize("name,nproc", [("01_send_recv.py", 2), ("02_broadcast.py", 3), ("03_all_reduce.py", 2),
-                                        ("04_sampler.py", 2)])
-def test_script_checks_itself(name, nproc):
-    """Each script on 2 or 3 ranks (its errors and plain-python message: test_reliability's table)."""
-    res = launch.torchrun(name, nproc, SCRIPTS[name], timeout=120)
+def lessons_job():
+    """All RUNS in one job of N ranks (tests/workers/lessons_worker.py: receives land at wait())."""
+    cmd = launch.torchrun_cmd("tests/workers/lessons_worker.py", N, [json.dumps(RUNS)])
+    return launch.run(cmd, timeout=240)
+
+
+def blocking_job():
+    return launch.torchrun("01_send_recv.py", N, ["--blocking", "--timeout-s", "2"], timeout=120)
+
+
+@pytest.fixture(scope="module")
+def jobs(request):
+    """The launches that this session's tests need, both at once: the deadlock mostly waits while the lessons
+    work. {"lessons" or "blocking": Future}."""
+    from concurrent.futures import ThreadPoolExecutor
+    items = [item for item in request.session.items if item.module is request.module]
+    needed = {"lessons": any("lessons" in item.fixturenames for item in items),
+              "blocking": any(item.name.startswith("test_blocking") for item in items)}
+    pool = ThreadPoolExecutor(2)
+    try:
+        yield {name: pool.submit(job) for name, job in (("lessons", lessons_job), ("blocking", blocking_job))
+               if needed[name]}
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def lessons(jobs):
+    """{script and flags: [each rank's output]}, from the one job."""
+    res = jobs["lessons"].result()
     assert not res.timed_out and res.returncode == 0, res.output
-    assert res.ok_line(), res.output
-    # Per-rank lines must come from every rank, tagged "[rank r/N]", for the scripts that print them; 02 and 04 print
-    # them in rank order (rank 0's line, then rank 1's, ..., before the next round), 01's ranks each print their own.
-    tagged = per_rank_lines(res.output, nproc)
-    if name in ("02_broadcast.py", "04_sampler.py"):
-        assert tagged and [r for r, _ in tagged] == list(range(nproc)) * (len(tagged) // nproc), res.output
-    if name == "01_send_recv.py":  # each rank: its torchrun variables (RANK r, WORLD_SIZE N), then one line per step
-        rows = {r: re.search(r"RANK=(\d+) .*WORLD_SIZE=(\d+) ", text).groups() for r, text in tagged
-                if text.startswith("RANK=")}
-        assert rows == {r: (str(r), str(nproc)) for r in range(nproc)}, res.output
-        for step in ("send/recv: ", "ring shift: got "):
-            assert sorted(r for r, text in tagged if text.startswith(step)) == list(range(nproc)), res.output
-        assert f"token ring: came back as {sum(range(nproc))}" in res.output, res.output
-    if name == "02_broadcast.py":  # every rank starts with a tensor of its own and ends with src's
-        before = [text for _, text in tagged if text.startswith("before dist.broadcast")]
-        after = [text.split(": ", 1)[1] for _, text in tagged if text.startswith("after  dist.broadcast")]
-        src = int(SCRIPTS[name][1])
-        assert len(set(before)) == nproc and after == [before[src].split(": ", 1)[1]] * nproc, res.output
-    if name == "04_sampler.py":  # with set_epoch, each epoch a new order
-        epochs = [text.split(": ", 1)[1] for _, text in tagged if re.match(r"epoch \d:", text)]
-        assert len(epochs) == 3 * nproc and len(set(epochs)) == len(epochs), res.output
+    runs = [json.loads(ln[4:]) for ln in res.output.splitlines() if ln.startswith("RUN ")]
+    return {" ".join(run["argv"]): run["outputs"] for run in runs}
 
 
-def per_rank_lines(output, nproc):
+def tagged(output):
     """(rank, text) of every line tagged "[rank r/N]", in the order printed."""
-    found = [re.match(rf"\[rank (\d+)/{nproc}\] (.*)", ln) for ln in output.splitlines()]
+    found = [re.match(rf"\[rank (\d+)/{N}\] (.*)", ln) for ln in output.splitlines()]
     return [(int(m.group(1)), m.group(2)) for m in found if m]
+
+
+def test_lessons_check_themselves_on_3_ranks(lessons):
+    """Every run ends on rank 0's OK line, which only the script's own checks let it print."""
+    assert sorted(lessons) == sorted(" ".join(argv) for argv in RUNS), list(lessons)
+    for name, outputs in lessons.items():
+        assert outputs[0].splitlines()[-1].startswith("OK "), (name, outputs[0])
+        assert not any("OK " in out for out in outputs[1:]), (name, outputs)
+
+
+def test_01_every_rank_joins_and_gets_its_left_neighbours_tensor(lessons):
+    outputs = lessons["01_send_recv.py"]
+    lines = [(r, text) for out in outputs for r, text in tagged(out)]
+    assert all(r == rank for rank, out in enumerate(outputs) for r, _ in tagged(out)), outputs  # own tag
+    rows = {r: dict(kv.split("=", 1) for kv in text.split()) for r, text in lines if text.startswith("RANK=")}
+    assert {r: (row["RANK"], row["LOCAL_RANK"], row["WORLD_SIZE"], row["GROUP_RANK"]) for r, row in rows.items()} \
+        == {r: (str(r), str(r), str(N), "0") for r in range(N)}, rows
+    got = {r: text for r, text in lines if text.startswith("send/recv: got")}
+    assert got == {r: f"send/recv: got {[float(r)] * 4} from rank 0" for r in range(1, N)}, got
+    shift = {r: text for r, text in lines if text.startswith("ring shift: got")}
+    assert shift == {r: f"ring shift: got {(r - 1) % N} from rank {(r - 1) % N}" for r in range(N)}, shift
+    story = outputs[0]
+    assert f"isend/irecv gather: {[[10.0 * r, 10.0 * r + 1] for r in range(N)]} == dist.gather" in story, story
+    assert f"token ring: came back as {sum(range(N))} = " in story, story
+
+
+def test_02_broadcasts_from_src_and_makes_replicas_from_rank_0(lessons):
+    story = lessons["02_broadcast.py --src 2 --numel 1000"][0]
+    lines = tagged(story)
+    before = [text.split(": ", 1)[1] for _, text in lines if text.startswith("before dist.broadcast")]
+    after = [text.split(": ", 1)[1] for _, text in lines if text.startswith("after  dist.broadcast")]
+    assert [r for r, _ in lines] == list(range(N)) * 2, story  # in rank order
+    assert len(set(before)) == N and after == [before[2]] * N, story
+    assert f"in ceil(log2 {N}) = {math.ceil(math.log2(N))} round(s)" in story, story
+    assert "after:  replicas identical, with rank 0's parameters" in story, story
+
+
+def test_03_trace_follows_the_rings_rule_and_adds_what_the_left_neighbour_held(lessons):
+    """Each step's line names the chunks and neighbours of the ring's rule (reduce-scatter step s: rank r sends
+    chunk r-s to r+1 and adds chunk r-s-1 from r-1; all-gather: sends r+1-s, copies r-s); the value that arrived
+    is what the rank it names held in that chunk the step before; every rank ends with dist.all_reduce's sum."""
+    story = lessons["03_all_reduce.py --trace"][0]
+    line = re.compile(r"holds \[([^]]*)\](?:  sent chunk (\d) to rank (\d), (added|copied) chunk (\d) "
+                      r"from rank (\d))?$")
+    steps = []  # per step: {rank: (holdings, sent, to, verb, received, from)}
+    for rank, text in tagged(story):
+        m = line.match(text)
+        assert m, text
+        if rank == 0:
+            steps.append({})
+        holds, *rest = m.groups()
+        steps[-1][rank] = ([int(v) for v in holds.split("|")], *[v if v in (None, "added", "copied") else int(v)
+                                                                   for v in rest])
+    assert len(steps) == 1 + 2 * (N - 1) and all(sorted(s) == list(range(N)) for s in steps), story
+    assert [steps[0][r][0] for r in range(N)] == [[(c + 1) * 10**r for c in range(N)] for r in range(N)], story
+    for k in range(1, len(steps)):
+        s, phase = (k - 1, "added") if k < N else (k - N, "copied")
+        for r in range(N):
+            held, (now, sent, to, verb, c, frm) = steps[k - 1][r][0], steps[k][r]
+            rule = ((r - s) % N, (r - s - 1) % N) if phase == "added" else ((r + 1 - s) % N, (r - s) % N)
+            assert (verb, sent, c, to, frm) == (phase, *rule, (r + 1) % N, (r - 1) % N), (k, r, steps[k][r])
+            arrived = steps[k - 1][frm][0][c]  # what the rank it names held in that chunk
+            assert now[c] == (held[c] + arrived if verb == "added" else arrived), (k, r, steps[k - 1], steps[k])
+            assert [v for i, v in enumerate(now) if i != c] == [v for i, v in enumerate(held) if i != c]
+    total = [(c + 1) * int("1" * N) for c in range(N)]  # [111, 222, 333]
+    assert [steps[-1][r][0] for r in range(N)] == [total] * N, story
+    assert f"every rank holds [{' | '.join(map(str, total))}] == dist.all_reduce" in story, story
+
+
+def torch_orders(size, seed, epoch, drop_last=False):
+    """Each rank's indices in that epoch, from torch's own DistributedSampler."""
+    samplers = [torch.utils.data.DistributedSampler(range(size), num_replicas=N, rank=r, seed=seed,
+                                                    drop_last=drop_last) for r in range(N)]
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+    return [list(sampler) for sampler in samplers]
+
+
+@pytest.mark.parametrize("run,size,seed,set_epoch", [("04_sampler.py", 11, 0, True),
+                                                     ("04_sampler.py --no-set-epoch --dataset-size 7 --seed 5", 7,
+                                                      5, False)])
+def test_04_orders_padding_and_accuracy_equal_torchs_sampler(lessons, run, size, seed, set_epoch):
+    """What each rank prints is torch's DistributedSampler's order, epoch by epoch (epoch 0 again and again
+    without set_epoch); the repeats, the dropped samples and the accuracies follow from torch's indices."""
+    story = lessons[run][0]
+    lines = tagged(story)
+    first = [text for _, text in lines if text.startswith("epoch 0 indices")]
+    assert first == [f"epoch 0 indices: {order}  (== torch's)" for order in torch_orders(size, seed, 0)], story
+    for epoch in range(3):
+        shown = [(r, text) for r, text in lines if text.startswith(f"epoch {epoch}: ")]
+        want = torch_orders(size, seed, epoch if set_epoch else 0)
+        assert shown == [(r, f"epoch {epoch}: {want[r]}") for r in range(N)], (epoch, story)
+    padded = sum(torch_orders(size, seed, 0), [])
+    twice = sorted({i for i in padded if padded.count(i) > 1})
+    assert f"padding: {len(padded)} slots for {size} samples -> seen twice: {twice}" in story, story
+    used = set(sum(torch_orders(size, seed, 0, drop_last=True), []))
+    assert f"{len(used)} samples used, never seen this epoch: {sorted(set(range(size)) - used)}" in story, story
+    if not set_epoch:  # the break-it run stops after showing the repeat, and says how to fix it
+        assert "accuracy" not in story and "sampler.set_epoch(epoch) before each epoch" in story, story
+        return
+    last = sum(torch_orders(size, seed, 2), [])
+    naive = sum(i % 3 != 0 for i in last) / len(last)
+    exact = sum(i % 3 != 0 for i in range(size)) / size
+    assert (f"accuracy: exact {exact:.4f} | naive distributed {naive:.4f} over {len(last)} samples | padding masked "
+            f"{exact:.4f} over {size} samples") in story, story
+
+
+def test_blocking_ring_shift_deadlocks_and_the_lesson_has_the_last_word(jobs):
+    """01 --blocking: every rank in send(), none in recv(). The group's timeout ends it, never a hang. Then the
+    lesson says what happened and exits 0, so its own line is the last the reader sees (no failure summary)."""
+    res = jobs["blocking"].result()
+    assert not res.timed_out and res.returncode == 0, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip() and not ln.startswith("[launch]")]
+    assert lines[-2].startswith("deadlock: every rank waited in send()") and "2 s timeout" in lines[-2], lines
+    assert lines[-1].startswith("OK --blocking deadlocked") and "batch_isend_irecv" in lines[-1], lines
+    assert "ring shift: got" not in res.output and "Traceback" not in res.output, res.output
 
 
 @pytest.mark.parametrize("nproc", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 ranks on 2 cores: 12 s
@@ -84,58 +207,6 @@ def test_sampler_rejects_bad_rank_like_torch(script, rank, replicas):
     assert f"[0, {replicas - 1}]" in str(ours.value)
 
 
-def test_ring_trace_on_3_ranks_adds_what_the_left_neighbour_held():
-    """03 --trace: each step's line says which chunk came from the left; the value that arrived must be what the
-    left neighbour held the step before (added in the reduce-scatter, copied in the all-gather), and every rank
-    ends with the sum of the starting tensors, which is what dist.all_reduce gives (the script checks that too)."""
-    n = 3
-    res = launch.torchrun("03_all_reduce.py", n, ["--trace"], timeout=120)
-    assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output
-    steps = []  # per step: {rank: (holdings, phase verb, chunk received)}
-    for rank, text in per_rank_lines(res.output, n):
-        m = re.match(r"holds \[([^]]*)\](?:  sent chunk \d to rank \d, (added|copied) chunk (\d) from rank \d)?",
-                     text)
-        if rank == 0:
-            steps.append({})
-        steps[-1][rank] = ([int(v) for v in m.group(1).split("|")], m.group(2), m.group(3) and int(m.group(3)))
-    assert len(steps) == 1 + 2 * (n - 1) and all(len(s) == n for s in steps), res.output
-    assert [steps[0][r][0] for r in range(n)] == [[(c + 1) * 10**r for c in range(n)] for r in range(n)]
-    for k in range(1, len(steps)):
-        for r in range(n):
-            held, (now, verb, c) = steps[k - 1][r][0], steps[k][r]
-            arrived = steps[k - 1][(r - 1) % n][0][c]  # what the left neighbour held in that chunk
-            assert verb == ("added" if k < n else "copied"), steps[k]  # N-1 reduce-scatter steps, then all-gather
-            assert now[c] == (held[c] + arrived if verb == "added" else arrived), (r, steps[k - 1], steps[k])
-            assert [v for i, v in enumerate(now) if i != c] == [v for i, v in enumerate(held) if i != c]
-    total = [(c + 1) * int("1" * n) for c in range(n)]  # [111, 222, 333]
-    assert [steps[-1][r][0] for r in range(n)] == [total] * n, res.output
-    assert f"every rank holds [{' | '.join(map(str, total))}] == dist.all_reduce" in res.output
-
-
-def test_blocking_ring_shift_deadlocks_and_ends_in_one_line():
-    """01 --blocking: every rank in send(), none in recv(). It must end at the group's timeout, not hang: one
-    error line from rank 0 that says why, a non-zero exit, and no traceback from the script."""
-    res = launch.torchrun("01_send_recv.py", 3, ["--blocking", "--timeout-s", "2"], timeout=90)
-    assert not res.timed_out and res.returncode != 0, res.output
-    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "deadlock" in errors[0] and "blocking send()" in errors[0], res.output
-    assert "batch_isend_irecv" in errors[0] and "2 s" in errors[0], errors
-    assert "ring shift: got" not in res.output and not res.ok_line(), res.output
-    assert '01_send_recv.py", line' not in res.output, res.output  # torchrun's agent adds a traceback of its own
-
-
-def test_no_set_epoch_replays_one_order_and_says_why():
-    """04 --no-set-epoch: three epochs, the same order on each rank every epoch, then one error line."""
-    res = launch.torchrun("04_sampler.py", 2, ["--no-set-epoch"], timeout=120)
-    assert not res.timed_out and res.returncode != 0 and not res.ok_line(), res.output
-    for r in range(2):
-        orders = [text.split(": ", 1)[1] for rank, text in per_rank_lines(res.output, 2)
-                  if rank == r and re.match(r"epoch \d:", text)]
-        assert len(orders) == 3 and len(set(orders)) == 1, res.output
-    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "set_epoch(epoch)" in errors[0] and "replayed" in errors[0], res.output
-
-
 def test_break_it_and_trace_flags_are_checked_before_any_group(script, monkeypatch):
     """--blocking waits 10 s for the deadlock unless told otherwise; --trace refuses more ranks than it can show."""
     monkeypatch.setattr("sys.argv", ["01_send_recv.py", "--blocking"])
@@ -147,5 +218,5 @@ def test_break_it_and_trace_flags_are_checked_before_any_group(script, monkeypat
     monkeypatch.setenv("WORLD_SIZE", "9")
     monkeypatch.setattr("sys.argv", ["03_all_reduce.py", "--trace"])
     lesson = script("03_all_reduce.py")
-    with pytest.raises(lesson.UsageError, match="--trace prints every step of every rank: run it on 2 to 8 ranks"):
+    with pytest.raises(lesson.UsageError, match="--trace prints every step of every rank, so run it on 2 to 8 ranks"):
         lesson.parse_args()
