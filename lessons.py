@@ -1,9 +1,9 @@
 """Import a numbered script by its file name, for the code around the lessons.
 
-A module's name cannot start with a digit, so `import 05_manual_ddp_gpt2` fails. The tests, benchmarks,
-notebooks, exercises and ddp_dropin.py all load the scripts with load() below instead. Each script gets one
-module name (05_manual_ddp_gpt2.py becomes manual_ddp_gpt2), registered in sys.modules as an import would.
-So pickle finds its classes, and DDPCore exists once in a process.
+A module's name cannot start with a digit, so `import 05_manual_ddp_gpt2` fails. The tests,
+benchmarks, notebooks, exercises and ddp_dropin.py all load the scripts with load() instead. Each
+script gets one module name: 05_manual_ddp_gpt2.py becomes manual_ddp_gpt2. It is registered in
+sys.modules, as an import would do. So pickle finds its classes, and DDPCore exists once.
 """
 
 import importlib.util
@@ -20,15 +20,17 @@ def module_name(filename: str) -> str:
 
 
 def load(filename: str, fresh: bool = False) -> ModuleType:
-    """Import `filename` (relative to the repository, or absolute) once per process, and return it.
+    """Import `filename` once per process, and return it. The path is relative to the repository,
+    or absolute.
 
-    A script reads RANK and WORLD_SIZE when it is imported. Pass fresh=True to run it again, for example after a
-    test has changed those variables. The new module then replaces the old one in sys.modules."""
+    A script reads RANK and WORLD_SIZE when it is imported. Pass fresh=True to run it again, for
+    example after a test has changed those variables. The new module replaces the old one."""
     path = Path(filename) if Path(filename).is_absolute() else REPO / filename
     name = module_name(filename)
     known = sys.modules.get(name)
-    if known is not None and not fresh and Path(getattr(known, "__file__", "")).resolve() == path.resolve():
-        return known
+    if known is not None and not fresh:
+        if Path(getattr(known, "__file__", "")).resolve() == path.resolve():
+            return known
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
