@@ -11,7 +11,8 @@ Fitted on this machine (`fit`), the formulas are those of the lessons' own code:
                   last piece's addition shows, as long as adding is no slower than sending)
   reduce-scatter  (N-1)(alpha + c beta) + (N-1) c gamma;  all-gather (N-1)(alpha + c beta)
 On GPUs a Hardware profile gives each figure, and NCCL's own tuning model gives the time (nccl_ring_latency).
-A ring's latency grows with the ranks it crosses. NCCL picks a tree across nodes when the tree is faster.
+A ring's latency grows with the ranks it crosses. NCCL picks a tree across nodes when the tree is faster. On an
+Ethernet fabric the bandwidth a node gets falls past two nodes (Hardware.inter_at).
 
 The step. Forward, then backward with each gradient ready at its time. Buckets launch in order as they fill (05's
 bucket_layout), one collective at a time, during backward; then the optimizer. ZeRO-1 all-reduces, steps 1/N and
@@ -61,7 +62,9 @@ class Hardware:
     is one GPU's within a node, inter_busbw one node's across nodes (all its NICs together, since NCCL runs a ring
     per NIC). alpha_intra and alpha_inter are one hop's latency in seconds, NCCL's figures for the Simple protocol:
     a ring hop over NVLink (3.4 us) and over the network (14 us). hbm_tbps is the memory bandwidth the optimizer
-    step is bound by. ring_plateau is NCCL's factor on a multi-node ring's latency (1.4; 1.9 before Ampere)."""
+    step is bound by. ring_plateau is NCCL's factor on a multi-node ring's latency (1.4; 1.9 before Ampere).
+    falloff: past two nodes, the fabric gives a node at most inter_line x (2 / nodes) ** falloff, and a node never
+    gets more than inter_busbw (inter_at). inter_line is the line rate; 0 means inter_busbw itself."""
     name: str
     gpus_per_node: int
     intra_busbw: float
@@ -72,6 +75,8 @@ class Hardware:
     memory_gib: float
     hbm_tbps: float
     ring_plateau: float = 1.4
+    falloff: float = 0.0
+    inter_line: float = 0.0
     source: str = field(default="", repr=False, compare=False)
     yours: tuple[str, ...] = ()  # the figures the user gave in place of the profile's
     fitted: tuple[str, ...] = ()  # the figures fitted from the user's measurements
@@ -87,14 +92,26 @@ class Hardware:
         """This profile with some figures replaced; mark says whose: "yours" (given) or "fitted" (measured)."""
         changed = {k: type(getattr(self, k))(v) for k, v in figures.items() if v is not None}
         for key, value in changed.items():
-            if not (value > 0 and math.isfinite(value)):
+            if not ((value >= 0 if key == "falloff" else value > 0) and math.isfinite(value)):
                 raise ValueError(f"{key} = {value}: must be a positive number")
         new = [k for k, v in changed.items() if v != getattr(self, k)]
         marks = {"yours": self.yours, "fitted": self.fitted}
         marks[mark] = tuple(dict.fromkeys((*marks[mark], *new)))
         return dataclasses.replace(self, **changed, **marks)
 
+    def inter_at(self, nodes: int) -> float:
+        """GB/s a node between nodes when a collective spans this many nodes: inter_busbw up to two nodes; past
+        them no more than the fabric's share, inter_line x (2 / nodes) ** falloff. Two limits in a row: what a
+        node's stack moves (measured on two nodes), and what the fabric gives each node as more share it."""
+        if nodes <= 2 or not self.falloff:
+            return self.inter_busbw
+        return min(self.inter_busbw, (self.inter_line or self.inter_busbw) * (2 / nodes) ** self.falloff)
 
+
+# Past two nodes an Ethernet fabric gives each node less: all_reduce_perf's bus bandwidth on 8 x 100 Gb/s RoCE a
+# node, 1-8 GB (NVIDIA/nccl-tests issue 169), was about 100, 70, 58, 58 and 40 GB/s on 2, 3, 4, 5 and 6 nodes. A
+# line through them in log space, (2 / nodes) ** k from the line rate: k = 0.75 (within 14% of each point)
+FALLOFF = 0.75
 HARDWARE = {h.name: h for h in (
     Hardware("h100-nvlink", 8, 450.0, 450.0, 3.4e-6, 14e-6, 989.0, 80.0, 3.35,
              source="H100 SXM5 80GB: NVLink 900 GB/s (450 each way), BF16 989 TFLOPS dense, HBM3 3.35 TB/s "
@@ -117,9 +134,11 @@ HARDWARE = {h.name: h for h in (
              source="DGX-2, the ZeRO paper's nodes: 16x Tesla V100 SXM3 32GB on NVSwitch (150 GB/s each way a GPU), "
                     "125 TFLOPS fp16, HBM2 900 GB/s; 8 x 100 Gb/s EDR InfiniBand = 100 GB/s a node, the paper's "
                     "\"800 Gbps internode\" (Rajbhandari et al., SC20, arXiv:1910.02054, Sec. 10.1)"),
-    Hardware("100gbe", 8, 450.0, 12.5, 3.4e-6, 25e-6, 989.0, 80.0, 3.35,
+    Hardware("100gbe", 8, 450.0, 12.5, 3.4e-6, 25e-6, 989.0, 80.0, 3.35, falloff=FALLOFF,
              source="8x H100 SXM5 a node (above), the nodes joined by one 100 Gb/s Ethernet port each: 12.5 GB/s a "
-                    "node (IEEE 802.3 100GBASE); 25 us a hop, an assumption for TCP (NCCL's own model says 14 us)"),
+                    "node (IEEE 802.3 100GBASE); 25 us a hop, an assumption for TCP (NCCL's own model says 14 us); "
+                    "past two nodes the fabric's share a node falls as (2 / nodes) ** 0.75, fitted to an Ethernet "
+                    "fabric's all-reduce on 2 to 6 nodes (NVIDIA/nccl-tests issue 169)"),
 )}
 
 
@@ -306,7 +325,9 @@ class Link:
     def _busbw(self, ranks):
         """Bytes a second through the slowest level the ring crosses."""
         hw = self.hw
-        return (min(hw.intra_busbw, hw.inter_busbw) if ranks > hw.gpus_per_node else hw.intra_busbw) * GB
+        if ranks <= hw.gpus_per_node:
+            return hw.intra_busbw * GB
+        return min(hw.intra_busbw, hw.inter_at(math.ceil(ranks / hw.gpus_per_node))) * GB
 
     def _hop(self, ranks):
         return self.hw.alpha_inter if ranks > self.hw.gpus_per_node else self.hw.alpha_intra
@@ -369,7 +390,7 @@ class Link:
         if nodes < 2:
             return 0.0
         g = self.hw.gpus_per_node
-        return nccl_all_reduce(n / g, nodes, 1, self.hw.inter_busbw * GB / g, self.hw)[0]
+        return nccl_all_reduce(n / g, nodes, 1, self.hw.inter_at(nodes) * GB / g, self.hw)[0]
 
 
 COLLECTIVES = {"p2p": Link.p2p, "broadcast": Link.broadcast, "lesson_ring": Link.lesson_ring,
@@ -888,7 +909,9 @@ def describe_hardware(hw: Hardware) -> str:
     return (f"hardware {hw.name}{' with your figures' if hw.yours else ''}, "
             + ", ".join([mark("gpus_per_node", f"{hw.gpus_per_node} GPU{'s' * (hw.gpus_per_node != 1)} a node"),
                          mark("intra_busbw", f"{hw.intra_busbw:g} GB/s a GPU inside a node"),
-                         mark("inter_busbw", f"{hw.inter_busbw:g} GB/s a node between nodes"),
+                         mark("inter_busbw", f"{hw.inter_busbw:g} GB/s a node between nodes"
+                              + (f" (past 2 nodes at most {hw.inter_line or hw.inter_busbw:g} x (2 / nodes) ** "
+                                 f"{hw.falloff:g})" if hw.falloff else "")),
                          mark("memory_gib", f"{hw.memory_gib:g} GiB"),
                          mark("peak_tflops", f"{hw.peak_tflops:g} TFLOPS peak")]))
 
@@ -940,7 +963,8 @@ def run_from_args(args, gpus=None) -> tuple[Run, Hardware]:
     latency = args.inter_node_latency_us
     hw = Hardware.named(args.hardware, gpus_per_node=args.gpus_per_node, intra_busbw=args.intra_node_gbps,
                         inter_busbw=args.inter_node_gbps, memory_gib=args.gpu_mem_gib, peak_tflops=args.peak_tflops,
-                        hbm_tbps=args.hbm_tbps, alpha_inter=latency and latency / 1e6)
+                        hbm_tbps=args.hbm_tbps, alpha_inter=latency and latency / 1e6,
+                        falloff=args.inter_node_falloff)
     run = Run(model=args.model, gpus=gpus or args.gpus, strategy=args.strategy, batch=args.batch_size,
               seq=args.seq_len, grad_accum=args.grad_accum, activation_checkpointing=args.activation_checkpointing,
               attention=args.attention, precision=args.precision, grad_dtype=args.grad_dtype,
@@ -1066,6 +1090,9 @@ def add_run_flags(q, gpus=True):
                    help="GB/s a GPU within a node, each direction (NVLink: 450 on H100, 300 on A100, 150 on V100)")
     q.add_argument("--inter-node-latency-us", type=positive(float), default=None,
                    help="one hop between nodes, NCCL's ring (its model says 14 on InfiniBand; profile 100gbe: 25)")
+    q.add_argument("--inter-node-falloff", type=not_negative, default=None, metavar="K",
+                   help="past 2 nodes a node gets at most the line rate x (2 / nodes) ** K (0 on the InfiniBand "
+                        f"profiles, {FALLOFF} on 100gbe)")
     q.add_argument("--peak-tflops", type=positive(float), default=None, help="each GPU's dense bf16 peak")
     q.add_argument("--hbm-tbps", type=positive(float), default=None,
                    help="each GPU's memory bandwidth in TB/s, which bounds the optimizer step (H100 3.35)")
@@ -1130,8 +1157,9 @@ def parse(argv=None):
     add_run_flags(w, gpus=False)
     w.add_argument("--step-ms", nargs="+", default=[], metavar="NODES:MS[:BATCH]",
                    help="measured step times: 1:120 is one node at 120 ms a step; 1:200:16 the same at batch 16")
-    w.add_argument("--sweep", default=None,
-                   help="benchmarks/all_reduce.py --json run across two nodes: the network's latency and bandwidth")
+    w.add_argument("--sweep", nargs="+", default=[],
+                   help="benchmarks/all_reduce.py --json runs across nodes: the network's latency and bandwidth "
+                        "(two nodes); on more nodes too, how the bandwidth falls")
     w.add_argument("--nodes", type=positive(int), nargs="+", default=[1, 2, 4, 8, 16], help="the nodes to forecast")
     k = sub.add_parser("check", help="predictions against measurements here (under torchrun)")
     k.add_argument("--sizes", type=positive(int), nargs="+", default=[1 << 20, 16 << 20],
@@ -1181,8 +1209,9 @@ def check_run_flags(p, a):
             a.steps = [costmodel_fit.parse_step(s, a.batch_size) for s in a.step_ms]
         except ValueError as e:
             p.error(f"--step-ms {e}")
-        if a.sweep and not os.path.isfile(a.sweep):
-            p.error(f"--sweep {a.sweep}: no such file")
+        for path in a.sweep:
+            if not os.path.isfile(path):
+                p.error(f"--sweep {path}: no such file")
         if not any(s.nodes == 1 for s in a.steps):
             p.error("--step-ms: give one node's step (1:MS), the run the forecast starts from")
 

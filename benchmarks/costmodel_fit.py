@@ -3,7 +3,8 @@
 Two kinds of fit live here. The first fits the lessons' own collectives on this machine, under torchrun (`fit`),
 and checks the model against what the same run measures (`check`). The second fits your own GPU runs (`forecast`).
 From a step measured on one node it takes the compute's rate, and from two nodes the network's bandwidth. An
-all-reduce sweep across two nodes gives the network's latency too. Then it forecasts more nodes, and says which
+all-reduce sweep across two nodes gives the network's latency too. A step on a third node count, or a sweep on more
+nodes, gives how the bandwidth a node gets falls past two nodes. Then it forecasts more nodes, and says which
 numbers were measured, which fitted and which assumed.
 
   torchrun --nproc_per_node=2 benchmarks/costmodel.py fit --out calibration.json
@@ -405,13 +406,15 @@ def fit_network(run: Run, hw: Hardware, step: Step) -> tuple[float | None, float
     """(GB/s a node between nodes or None, the step the model gives at the line rate): the bandwidth at which the
     model gives the measured multi-node step, by bisection in log space (the step only shortens as it rises). None
     when the line rate already gives a step as long as the one measured, or longer: the run hid its communication."""
+    line = hw.inter_line or hw.inter_busbw
+
     def step_ms(busbw):
         wide = dataclasses.replace(run, gpus=step.nodes * hw.gpus_per_node, batch=step.batch)
         return predict(wide, dataclasses.replace(hw, inter_busbw=busbw))["step_ms"]
-    at_line = step_ms(hw.inter_busbw)
+    at_line = step_ms(line)
     if at_line >= step.ms:
         return None, at_line
-    lo, hi = math.log(1e-4), math.log(hw.inter_busbw)
+    lo, hi = math.log(1e-4), math.log(line)
     if step_ms(math.exp(lo)) < step.ms:
         return math.exp(lo), at_line
     for _ in range(50):
@@ -420,12 +423,58 @@ def fit_network(run: Run, hw: Hardware, step: Step) -> tuple[float | None, float
     return math.exp(hi), at_line
 
 
-def forecast(run: Run, hw: Hardware, steps: list[Step], sweep: tuple | None = None,
+MOST_FALLOFF = 3.0  # (2 / nodes) ** 3: a fabric that gives 16 nodes 0.2% of what it gives 2
+
+
+def share_and_falloff(b2: float, bn: float, nodes: int, falloff: float) -> tuple[float, float]:
+    """(the fabric's share a node on two nodes, falloff) that give bn GB/s a node on this many nodes, where two
+    nodes gave b2. The falloff stays as assumed if it can, and the share moves: a third point cannot give both, and
+    the exponent is what the published runs fitted. Only a fall steeper than it, from b2 itself, changes it."""
+    if bn >= b2:
+        return b2, 0.0
+    if bn >= b2 * (2 / nodes) ** falloff:
+        return bn * (nodes / 2) ** falloff, falloff
+    return b2, min(MOST_FALLOFF, math.log(b2 / bn) / math.log(nodes / 2))
+
+
+def fit_falloff(run: Run, hw: Hardware, step: Step) -> tuple[float, float]:
+    """(the fabric's share a node on two nodes, falloff) that give a step measured on more than two nodes: the
+    bandwidth a node gets there, by bisection (the step only shortens as it rises), then share_and_falloff. No
+    falloff when even the bandwidth of two nodes gives a step as long as the one measured."""
+    def step_ms(busbw):
+        wide = dataclasses.replace(run, gpus=step.nodes * hw.gpus_per_node, batch=step.batch)
+        return predict(wide, dataclasses.replace(hw, inter_busbw=busbw, falloff=0.0))["step_ms"]
+    if step_ms(hw.inter_busbw) >= step.ms:
+        return hw.inter_busbw, 0.0
+    lo, hi = math.log(1e-4), math.log(hw.inter_busbw)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step_ms(math.exp(mid)) > step.ms else (lo, mid)
+    return share_and_falloff(hw.inter_busbw, math.exp(hi), step.nodes, hw.falloff)
+
+
+def peak_busbw(sizes: list[int], seconds: list[float], ranks: int) -> float:
+    """The highest bus bandwidth of a sweep, GB/s: 2(N-1)/N x bytes / seconds, as nccl-tests reports it."""
+    return max(2 * (ranks - 1) / ranks * n / t for n, t in zip(sizes, seconds)) / GB
+
+
+def sweep_falloff(narrow: tuple, wide: tuple, hw: Hardware) -> tuple[float, float]:
+    """(the fabric's share a node on two nodes, falloff) that two sweeps on different node counts imply, from each
+    one's highest bus bandwidth. Peaks, not a line through every size: DDP's buckets move at the large messages'
+    rate, and TCP's mid-size stalls would bend a line."""
+    return share_and_falloff(peak_busbw(*narrow), peak_busbw(*wide), math.ceil(wide[2] / hw.gpus_per_node),
+                             hw.falloff)
+
+
+def forecast(run: Run, hw: Hardware, steps: list[Step], sweep: tuple | list | None = None,
              nodes: tuple[int, ...] = (1, 2, 4, 8, 16)) -> dict:
-    """Fit the run to its measured steps (and an all-reduce sweep across nodes), then predict each node count.
-    Returns the rows, the fitted figures, and three lists of plain sentences: what was measured, fitted, assumed."""
+    """Fit the run to its measured steps (and all-reduce sweeps across nodes), then predict each node count.
+    sweep: one sweep (bytes, seconds, ranks), or a list of them on different node counts. Returns the rows, the
+    fitted figures, and three lists of plain sentences: what was measured, fitted, assumed."""
     g = hw.gpus_per_node
-    line_rate = hw.inter_busbw
+    line_rate = hw.inter_line or hw.inter_busbw
+    hw = dataclasses.replace(hw, inter_line=line_rate)  # the fabric's share is counted from the line rate
+    sweeps = sorted([sweep] if isinstance(sweep, tuple) else sweep or [], key=lambda w: w[2])
     if run.strategy in ("ddp", "zero1", "zero2") and run.bucket_mb is None:
         run = dataclasses.replace(run, bucket_mb=25.0)  # PyTorch's default, what the measured run most likely used
     one = [s for s in steps if s.nodes == 1]
@@ -441,9 +490,11 @@ def forecast(run: Run, hw: Hardware, steps: list[Step], sweep: tuple | None = No
         fitted.append(f"the compute at HFU {hfu:.3f}, from one node's step")
         cost = f"a fixed cost of {fixed:g} ms" if fixed else "no fixed cost"
         assumed.append(f"{cost} a micro-batch. Measure one node at two batch sizes to fit it")
-    if sweep is not None:
-        busbw, hop = fit_sweep(*sweep, hw)
-        measured.append(f"NCCL's all-reduce on {sweep[2]} ranks across nodes, {len(sweep[0])} sizes")
+    falloff_from = None  # what the falloff was fitted from, if anything
+    if sweeps:
+        busbw, hop = fit_sweep(*sweeps[0], hw)
+        for w in sweeps:
+            measured.append(f"NCCL's all-reduce on {w[2]} ranks across nodes, {len(w[0])} sizes")
         hw = hw.with_figures(mark="fitted", inter_busbw=busbw, alpha_inter=hop)
         fitted.append(f"{busbw:.3g} GB/s a node between nodes from the sweep ({busbw / line_rate:.0%} of the "
                       f"{line_rate:g} GB/s line rate)")
@@ -452,24 +503,46 @@ def forecast(run: Run, hw: Hardware, steps: list[Step], sweep: tuple | None = No
                            "NCCL's model counts inside the nodes")
         else:
             fitted.append(f"{hop * 1e6:.1f} us a hop between nodes, from the sweep")
+        if len(sweeps) > 1 and math.ceil(sweeps[-1][2] / g) > max(2, math.ceil(sweeps[0][2] / g)):
+            share, k = sweep_falloff(sweeps[0], sweeps[-1], hw)
+            hw = hw.with_figures(mark="fitted", inter_line=share, falloff=k)
+            falloff_from = f"{math.ceil(sweeps[-1][2] / g)}-node sweep"
     else:
         whose = "NCCL's own figure for InfiniBand" if hw.alpha_inter == 14e-6 else \
             "the profile's figure (NCCL's model says 14 on InfiniBand)"
         assumed.append(f"{hw.alpha_inter * 1e6:g} us a hop between nodes, {whose}. A sweep across two nodes "
                        "(--sweep) measures it")
     if wide:
-        busbw, at_line = fit_network(run, hw, wide[0])
+        third = wide[-1] if wide[-1].nodes > max(2, wide[0].nodes) else None
+        for _ in range(3 if third and wide[0].nodes > 2 else 1):  # the two figures meet when neither is on 2 nodes
+            busbw, at_line = fit_network(run, hw, wide[0])
+            if busbw is not None:
+                hw = hw.with_figures(mark="fitted", inter_busbw=busbw)
+            if third:
+                share, k = fit_falloff(run, hw, third)
+                hw = hw.with_figures(mark="fitted", inter_line=share, falloff=k)
+                falloff_from = f"{third.nodes}-node step"
         if busbw is None:
             assumed.append(f"{hw.inter_busbw:g} GB/s a node between nodes. The {wide[0].nodes}-node step hid its "
                            f"communication, since the model gives {at_line:.1f} ms even at that rate")
         else:
-            hw = hw.with_figures(mark="fitted", inter_busbw=busbw)
             fitted.append(f"{busbw:.3g} GB/s a node between nodes, from the {wide[0].nodes}-node step "
                           f"({busbw / line_rate:.0%} of the {line_rate:g} GB/s line rate)")
-    elif sweep is None:
+    elif not sweeps:
         assumed.append(f"{line_rate:g} GB/s a node between nodes. That is the line rate, not a measurement. Real "
                        "runs often get a fraction of it (47% in one published run, docs/costmodel.md). Measure two "
                        "nodes (--step-ms 2:MS) or sweep all_reduce.py across them (--sweep)")
+    share = f"{hw.inter_line:.3g} x (2 / nodes) ** {hw.falloff:.2f} GB/s"
+    if falloff_from:
+        fitted.append(f"past 2 nodes a node gets at most {share}, from the {falloff_from}" if hw.falloff else
+                      f"no fall in the bandwidth a node gets past 2 nodes, from the {falloff_from}")
+    elif hw.falloff:
+        assumed.append(f"past 2 nodes a node gets at most {share}. An Ethernet fabric's all-reduce fell that way "
+                       "from 2 to 6 nodes (NVIDIA/nccl-tests issue 169). A step on a third node count "
+                       "(--step-ms 4:MS) fits it")
+    else:
+        assumed.append("past 2 nodes a node keeps the bandwidth it had on 2, as on the fast fabrics in "
+                       "docs/costmodel.md. A step on a third node count (--step-ms 4:MS) fits how it falls")
     assumed.append("NCCL's ring or tree, as its tuning model picks")
     if run.bucket_mb:
         assumed.append(f"buckets of {run.bucket_mb:g} MiB" + (" (PyTorch's default)" if run.bucket_mb == 25 else ""))
@@ -487,15 +560,15 @@ def forecast(run: Run, hw: Hardware, steps: list[Step], sweep: tuple | None = No
     for r in rows:
         r["vs_one_node"] = r["tokens_per_s_per_gpu"] / base if base else None
     return dict(rows=rows, checks=checks, hfu=hfu, fixed_ms=fixed, inter_busbw=hw.inter_busbw,
-                alpha_inter=hw.alpha_inter, hardware=costmodel.hardware_json(hw), measured=measured, fitted=fitted,
-                assumed=assumed)
+                alpha_inter=hw.alpha_inter, falloff=hw.falloff, inter_line=line_rate,
+                hardware=costmodel.hardware_json(hw), measured=measured, fitted=fitted, assumed=assumed)
 
 
 def forecast_main(args):
     try:
         run, hw = costmodel.run_from_args(args, gpus=1)
-        sweep = read_sweep(args.sweep, hw.gpus_per_node) if args.sweep else None
-        out = forecast(run, hw, args.steps, sweep, tuple(args.nodes))
+        sweeps = [read_sweep(path, hw.gpus_per_node) for path in args.sweep]
+        out = forecast(run, hw, args.steps, sweeps, tuple(args.nodes))
     except ValueError as e:
         sys.exit(print(f"error: {e}", file=sys.stderr) or 2)
     for line in dict.fromkeys(w for r in out["rows"] for w in r["warnings"]):
