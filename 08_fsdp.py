@@ -45,12 +45,12 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 WEIGHT_DECAY = 0.1  # AdamW's, the same for all four implementations
-# A batch's seed is seed + stride * micro-batch + rank. The stride is a prime, so no two
+# A batch's seed is seed + stride * micro-batch + rank. With fewer ranks than the stride, no two
 # (micro-batch, rank) pairs share a seed.
 DATA_SEED_STRIDE = 1009
 
 # --- the idea: fully sharded data parallel by hand ---
-# The two halves of the ring all-reduce. torch 2.14 renamed them with the ending _single.
+# The two halves of the ring all-reduce. torch 2.14 gave them new names that end in _single.
 reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 def _tensors(x):
@@ -374,7 +374,8 @@ def full_optim_state_dict(module, optimizer):
     state = {}
     for unit in _units(module):
         unit.reshard()
-        held = [i for i, s in enumerate(unit.shards) if optimizer.state.get(s)]  # alike on all
+        # The parameters with optimizer state, the same ones on every rank.
+        held = [i for i, s in enumerate(unit.shards) if optimizer.state.get(s)]
         for key in dict.fromkeys(k for i in held for k in optimizer.state[unit.shards[i]]):
             values = [optimizer.state[unit.shards[i]][key] for i in held]
             shards = [unit.shards[i] for i in held]
@@ -502,7 +503,8 @@ def held_mib(params, optimizer):
         return sum(storages.values()) / 2**20
     state = [v for s in optimizer.state.values() for v in s.values()
              if isinstance(v, torch.Tensor) and v.dim()]
-    stepped = [p for group in optimizer.param_groups for p in group["params"]]  # ZeRO-2: pieces
+    # What the optimizer steps. Under ZeRO-2 those are pieces of the shards.
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
     return mib(params), mib(p.grad for p in stepped), mib(state)
 
 
@@ -530,7 +532,7 @@ def train(impl, args, device, text, zero, ckpt=None):
             norm = clip(model.parameters(), args.clip)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         opt.step()
-        held = held_mib(list(model.parameters()), getattr(opt, "optim", opt))  # ZeroDDP's: .optim
+        held = held_mib(list(model.parameters()), getattr(opt, "optim", opt))  # ZeroDDP has .optim
         opt.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # The GPU runs behind. Wait for it before the clock.

@@ -1,4 +1,5 @@
-"""Run under torchrun (2 ranks): 06's own main() trains as one process would, on the same data.
+"""Run under torchrun (2 ranks), with a folder to write in: 06's own main() trains as one process would, on
+the same data, and resumes bit for bit.
 
 06 runs here as a user runs it (its flags, its sampler, its Trainer), with two things watched: which training
 images each rank fetches, and what rank 0 prints. Then every rank checks four properties against a reference
@@ -10,13 +11,19 @@ that does not use 06's loop:
 - each printed training loss is the mean over every rank's samples, not rank 0's alone (checked to differ);
 - the printed validation loss, accuracy and count are one process's over the whole set, each image once: 7
   images on 2 ranks, which the sampler pads to 8 by repeating image 0, which the model gets right.
+Then 06 runs again as a user would run it again: resumed from epoch 1's checkpoint alone, it ends with the
+uninterrupted run's checkpoint, bit for bit; asked again, the finished run trains nothing.
+
+  torchrun --nproc_per_node=2 tests/workers/resnet_worker.py FOLDER
 """
 
 import contextlib
 import io
 import os
 import re
+import shutil
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import load_script  # noqa: E402
 
 ARGS = ["--dataset", "fake", "--fake-size", "29", "--max-train-samples", "8", "--batch-size", "2", "--epochs", "2",
-        "--seed", "1", "--lr", "0.02", "--device", "cpu"]
+        "--seed", "1", "--lr", "0.02", "--device", "cpu", "--timeout-s", "60"]  # a planted hang fails in a minute
 lesson = load_script("06_torch_ddp_resnet.py")
 Digits = lesson.SyntheticDigits
 fetched, trainers = [], []
@@ -100,14 +107,32 @@ def reference(args, world, data, n, val, whole_batch=False):
     return model, epochs
 
 
-def main():
-    args = lesson.parse_args(ARGS)
-    lesson.SyntheticDigits, lesson.Trainer = Watched, Kept
+def run(args, out):
+    """06's main() on --out `out`, as a user runs it; what rank 0 printed, echoed. A second run keeps the group
+    the first one joined (joining again under one torchrun would meet the first join's stale addresses)."""
+    if dist.is_initialized():
+        lesson.setup = lambda args: torch.device("cpu")
     said = io.StringIO()
     with contextlib.redirect_stdout(said):
-        lesson.main(args)  # joins the group (torchrun's variables), trains, checks its replicas
-    said = said.getvalue()
-    print(said, end="", flush=True)
+        lesson.main(lesson.parse_args([*ARGS, "--out", str(out)]))
+    print(said.getvalue(), end="", flush=True)
+    return said.getvalue()
+
+
+def same(a, b):
+    """Equal through the dicts and lists of a checkpoint, tensors bit for bit."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same, a, b))
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+def main():
+    folder = Path(sys.argv[1])
+    args = lesson.parse_args(ARGS)
+    lesson.SyntheticDigits, lesson.Trainer = Watched, Kept
+    said = run(args, folder / "whole")  # joins the group (torchrun's variables), trains, checks its replicas
     rank, world = dist.get_rank(), dist.get_world_size()
     train, val = Digits(args.fake_size, 0), Digits(args.fake_size // 4, args.fake_size)
 
@@ -142,6 +167,29 @@ def main():
         assert epochs[-1][4][0] == val[0][1] and epochs[-1][3] > 0, "counting the repeat twice would not show"
         print(f"OK 06 on {world} ranks: DistributedSampler's order each epoch, weights within {gap:.0e} of one "
               "process, the loss of all ranks, validation over the whole set once", flush=True)
+
+    # 5. Resumed on 2 ranks from epoch 1's checkpoint alone, the run ends where the uninterrupted one ended: the
+    # weights, BatchNorm's statistics, SGD's momentum, the schedule's step, bit for bit. Rank 0 picks the
+    # checkpoint, and every rank must resume from it.
+    whole, resumed = folder / "whole", folder / "resumed"
+    if rank == 0:
+        resumed.mkdir()
+        shutil.copy(whole / "checkpoint-1.pt", resumed)
+    dist.barrier()
+    said = run(args, resumed)
+    if rank == 0:
+        assert f"resumed from {resumed}/checkpoint-1.pt after epoch 1" in said and "epoch   1/2" not in said, said
+        a, b = (torch.load(f / "checkpoint-2.pt") for f in (whole, resumed))
+        assert set(a) == {"model", "optimizer", "scheduler", "epoch", "script"} and a["epoch"] == 2, a.keys()
+        assert same(a, b), "the resumed run ended elsewhere than the uninterrupted one"
+        lesson.build_model().load_state_dict(a["model"])  # no "module." prefix: the bare model loads it
+    # 6. Asked again, the finished run says so, trains nothing and changes no file.
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in whole.iterdir())
+    said = run(args, whole)
+    if rank == 0:
+        assert said.splitlines()[-1].startswith(f"OK nothing to train: {whole} holds epoch 2 of --epochs 2"), said
+        assert "train loss" not in said and sorted((p.name, p.stat().st_mtime_ns) for p in whole.iterdir()) == before
+        print(f"OK 06 on {world} ranks resumes bit for bit, and a finished run trains nothing", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
