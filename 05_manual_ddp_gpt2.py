@@ -482,34 +482,37 @@ def main(args):
 
 # --- checkpoints: the same block in 05, 06 and 08 ---
 def load_newest(out):
-    """The newest checkpoint in --out that loads (None: none yet), on every rank. A run writes only into an --out that
-    is new, empty or holds checkpoint-* files (a run's), so never over files it did not write."""
-    if os.path.isdir(out) and os.listdir(out) and not any(f.startswith("checkpoint-") for f in os.listdir(out)):
-        raise UsageError(f"--out {out} holds files that no run wrote: pick a new or empty directory")  # on every rank
-    os.makedirs(out, exist_ok=True)  # now: a file of that name stops every rank here, not at the first save
-    found = [None]  # global rank 0 alone picks, so that every rank resumes from the same step
-    if RANK == 0:
-        for step in reversed(checkpoints(out)):
-            try:
-                torch.load(f"{out}/checkpoint-{step}.pt", map_location="cpu", weights_only=True, mmap=True)
-                found[0] = f"{out}/checkpoint-{step}.pt"
-                break
-            except Exception as e:  # a disk fault: skipped, and written over when its step is saved again
-                print0(f"warning: {out}/checkpoint-{step}.pt does not load ({type(e).__name__}): skipped")
-    dist.broadcast_object_list(found, src=0)  # several nodes: rank 0's --out on a disk they all see
-    return torch.load(found[0], map_location="cpu", weights_only=True, mmap=True) if found[0] else None  # mmap: lazy
+    """The newest checkpoint in --out that loads, on every rank, or None. A run writes only into an
+    --out that is new, empty or holds checkpoints, so never over files that no run wrote."""
+    if os.path.isdir(out) and os.listdir(out) and not glob.glob("checkpoint-*", root_dir=out):
+        raise UsageError(f"--out {out} holds files that no run wrote. Pick a new or empty folder.")
+    os.makedirs(out, exist_ok=True)  # Now, so that a file of that name stops every rank here.
+    found, me = [None, None], os.path.basename(__file__)  # the path, and the script that wrote it
+    for path in reversed(checkpoints(out)) if RANK == 0 else []:  # Rank 0 picks one for all.
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            found = [path, state.get("script", "another script")]
+            break
+        except Exception as e:  # A disk fault. Saving that step again writes over it.
+            print0(f"warning: {path} does not load ({type(e).__name__}), so this run skips it")
+    dist.broadcast_object_list(found, src=0)  # On several nodes, all must see the --out disk.
+    if found[0] and found[1] != me:  # Another script's checkpoint holds other things.
+        raise UsageError(f"{found[0]} was written by {found[1]}, not {me}. "
+                         "Give each script its own --out.")
+    return found[0] and torch.load(found[0], map_location="cpu", weights_only=True, mmap=True)
 
 
-def checkpoints(out):  # the steps saved in --out, oldest first (f[11:-3]: the STEP of checkpoint-STEP.pt)
-    return sorted(int(f[11:-3]) for f in glob.glob("checkpoint-*.pt", root_dir=out) if f[11:-3].isdigit())
+def checkpoints(out):  # the checkpoint files in --out, oldest first
+    names = [f for f in glob.glob("checkpoint-*.pt", root_dir=out) if f[11:-3].isdigit()]
+    return [f"{out}/{f}" for f in sorted(names, key=lambda f: int(f[11:-3]))]  # f[11:-3] is a step
 
 
-def save_checkpoint(out, step, state, keep=2):
-    """Global rank 0 only: written aside, then renamed into place (never half a checkpoint); the newest `keep` kept."""
-    torch.save(state, f"{out}/checkpoint-tmp")  # a crash mid-write leaves only this, written over the next time
+def save_checkpoint(out, step, state, keep=2):  # Global rank 0 alone calls it.
+    # Written aside, then renamed into place, so that no checkpoint is ever half written.
+    torch.save({**state, "script": os.path.basename(__file__)}, f"{out}/checkpoint-tmp")
     os.replace(f"{out}/checkpoint-tmp", f"{out}/checkpoint-{step}.pt")
-    for old in checkpoints(out)[:-keep]:
-        os.remove(f"{out}/checkpoint-{old}.pt")
+    for old in checkpoints(out)[:-keep]:  # The newest `keep` stay.
+        os.remove(old)
 
 
 # --- command line ---

@@ -1,27 +1,30 @@
-"""06 - PyTorch's own DistributedDataParallel: ResNet18 on MNIST, as in PyTorch's ddp-tutorial-series.
+"""06 - PyTorch's DistributedDataParallel on ResNet18 and MNIST, as in the ddp-tutorial-series.
 
-What it teaches: the library's counterpart of 05's DDPCore, and what a training job adds around it:
-DistributedSampler and set_epoch, validation whose numbers are global (sums all-reduced, the sampler's padded
-duplicates not counted), SyncBatchNorm on GPUs, checkpoints written by global rank 0 and resumed, and the two ways
-to start the processes: torchrun, or torch.multiprocessing.spawn from plain python (--nproc).
+It trains with PyTorch's own DDP, the class that DDPCore rebuilt by hand. Around it comes what a
+real training job needs.
+- A DistributedSampler gives each rank its own share of a new order every epoch.
+- Validation counts every image once, whatever the number of ranks.
+- SyncBatchNorm shares BatchNorm's statistics across GPUs.
+- Global rank 0 writes checkpoints, and a new run resumes from them.
+- The ranks start under torchrun, or from plain python with torch.multiprocessing.spawn.
 
-Run it (MNIST is downloaded into --data-dir on first use; --dataset fake draws its digits here, offline):
+MNIST is downloaded into --data-dir on first use. With --dataset fake the script draws its own
+digits and needs no network.
   1 process:  python 06_torch_ddp_resnet.py
-  spawn N:    python 06_torch_ddp_resnet.py --nproc 2                 (torch.multiprocessing, no torchrun)
+  spawn N:    python 06_torch_ddp_resnet.py --nproc 2               (no torchrun)
   CPU:        torchrun --nproc_per_node=2 06_torch_ddp_resnet.py --dataset fake --out ckpt
-  N GPUs:     torchrun --nproc_per_node=N 06_torch_ddp_resnet.py --max-train-samples 0 --max-val-samples 0 \\
-                  --epochs 5 --batch-size 128 --sync-bn
-  2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST --master_port=29500 \\
-                  06_torch_ddp_resnet.py --out ckpt
+  N GPUs:     torchrun --nproc_per_node=N 06_torch_ddp_resnet.py --max-train-samples 0 \\
+                  --max-val-samples 0 --epochs 5 --batch-size 128 --sync-bn
+  2 nodes:    torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST \\
+                  --master_port=29500 06_torch_ddp_resnet.py --out ckpt
   restarts:   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc_per_node=2 --max-restarts=3 \\
-                  06_torch_ddp_resnet.py --dataset fake --out ckpt --crash-at-step 40   (pytorch#135712: the variable)
+                  06_torch_ddp_resnet.py --dataset fake --out ckpt      (docs/checkpoints.md)
 """
 
 import argparse
 import glob
 import math
 import os
-import signal
 import socket
 import sys
 import time
@@ -38,77 +41,77 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
 
 # --- settings beyond the flags ---
-SGD_MOMENTUM, WEIGHT_DECAY = 0.9, 5e-4  # the usual ResNet recipe
-WARMUP = 0.2  # fraction of all steps spent raising the learning rate to --lr, before its cosine decay to 0
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # of the training images' pixels, to normalise them
+SGD_MOMENTUM, WEIGHT_DECAY = 0.9, 5e-4  # the usual recipe for ResNets
+WARMUP = 0.2  # The learning rate rises to --lr over this share of the steps, then decays to 0.
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # of MNIST's training pixels, to normalise the images
 
 
-# --- the idea: one rank's training loop (the tutorial's Trainer), around PyTorch's DDP ---
+# --- the idea: one rank's training loop, the tutorial's Trainer, around PyTorch's DDP ---
 class Trainer:
-    """What every rank runs. Each holds a whole replica of the model and trains on its own shard of each epoch;
-    DDP broadcasts rank 0's weights when it wraps the model and all-reduces the gradients during backward(), so
-    every replica takes the same optimizer step and stays identical to the others."""
+    """What every rank runs. Each rank holds a whole copy of the model and trains on its own share
+    of the data. DDP sends rank 0's weights to all when it wraps the model. In backward() it
+    averages the gradients over the ranks. So every copy takes the same step and stays the same."""
 
     def __init__(self, model, train_data, val_data, args, device):
         self.args, self.device, self.train_data, self.val_data = args, device, train_data, val_data
-        # On a GPU, NHWC: the layout its convolution kernels prefer (the batches follow it in batch()).
+        # A GPU's convolutions run fastest on channels-last tensors. The inputs follow in batch().
         self.layout = torch.channels_last if device.type == "cuda" else torch.contiguous_format
         self.model = model.to(device, memory_format=self.layout)
         if args.sync_bn and device.type == "cuda":
-            # BatchNorm normalises with the statistics of its own rank's batch. SyncBatchNorm all-reduces them
-            # over ranks (one more collective per BN layer per step), which helps when per-GPU batches are tiny.
+            # BatchNorm uses the statistics of its own rank's batch. SyncBatchNorm averages them
+            # over the ranks, at one more collective per layer. It helps when GPU batches are tiny.
             self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
         elif args.sync_bn:
-            print0("note: --sync-bn ignored: SyncBatchNorm runs on GPUs only; on CPU each rank keeps its BN stats")
-        # device_ids: this rank's one GPU (the local rank picked it in setup()); on the CPU, none.
+            print0("note: --sync-bn works on GPUs only, so on the CPU each rank keeps its own "
+                   "BatchNorm statistics")
+        # device_ids names this rank's one GPU, which setup() picked from the local rank.
         self.ddp = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=SGD_MOMENTUM,
                                    weight_decay=WEIGHT_DECAY)
         total = args.epochs * len(train_data)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda step: one_cycle(step, total))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: one_cycle(s, total))
         self.amp = torch.bfloat16 if args.precision == "bf16" else None
         self.epochs_done = 0
 
     def resume(self, state):
-        # The bare model's state (self.model, not self.ddp: no "module." prefix), so it loads into build_model().
+        # The bare model's weights, with no "module." prefix, so build_model() loads them too.
         self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])  # SGD's momentum buffers: without them no bit-identity
-        self.sched.load_state_dict(state["scheduler"])  # the step count; the schedule is recomputed from --epochs
+        self.opt.load_state_dict(state["optimizer"])  # SGD's momentum. An exact resume needs it.
+        self.sched.load_state_dict(state["scheduler"])  # The step count. --epochs sets the rest.
         self.epochs_done = state["epoch"]
 
-    def batch(self, x, y):  # pinned memory (see main) lets these copies to a GPU run behind the host
-        return x.to(self.device, non_blocking=True, memory_format=self.layout), y.to(self.device, non_blocking=True)
+    def batch(self, x, y):  # Pinned memory (see main) lets the copy to a GPU run in the background.
+        x = x.to(self.device, non_blocking=True, memory_format=self.layout)
+        return x, y.to(self.device, non_blocking=True)
 
     def run_epoch(self, epoch):
-        # Without set_epoch every epoch would replay epoch 0's order: the sampler seeds its shuffle with it.
+        # The sampler seeds its shuffle with the epoch. Without set_epoch every epoch repeats
+        # the first one's order.
         self.train_data.sampler.set_epoch(epoch)
         self.ddp.train()
-        sums = torch.zeros(2, device=self.device)  # loss sum, samples
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # torchrun counts its restarts
-        bar = RANK == 0 and sys.stderr.isatty()  # one progress bar, rank 0's, and only on a terminal
+        sums = torch.zeros(2, device=self.device)  # the loss summed over samples, and the samples
+        bar = RANK == 0 and sys.stderr.isatty()  # Rank 0 alone shows a bar, on a terminal only.
         for x, y in tqdm(self.train_data, f"epoch {epoch + 1}", leave=False, disable=not bar):
-            # --crash-at-step: a crash for torchrun --max-restarts to restart from (the scheduler counts the steps)
-            if self.sched.last_epoch == self.args.crash_at_step and RANK == WORLD - 1 and first_attempt:
-                print(f"[rank {RANK}/{WORLD}] --crash-at-step {self.args.crash_at_step}: SIGKILL to myself "
-                      "(first attempt only)\n", end="", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
             x, y = self.batch(x, y)
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
                 loss = F.cross_entropy(self.ddp(x).float(), y)
-            loss.backward()  # DDP all-reduces gradient buckets during this call, as they fill up
+            loss.backward()  # DDP averages the gradients here, a bucket as soon as it fills.
             self.opt.step()
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
-            sums += torch.stack([loss.detach() * len(y), torch.tensor(float(len(y)), device=self.device)])
-        dist.all_reduce(sums)  # the loss of all ranks, not rank 0's alone
+            n = torch.tensor(float(len(y)), device=self.device)
+            sums += torch.stack([loss.detach() * n, n])
+        dist.all_reduce(sums)  # The loss covers all ranks, not rank 0's alone.
         return (sums[0] / sums[1]).item(), sums[1].item()
 
     def evaluate(self):
-        """Loss and accuracy over the whole validation set, whatever the number of ranks. DistributedSampler pads
-        the last round with duplicates so that every rank gets as many batches: slot k of rank r is position
-        k*N + r of the padded order, and positions past the end of the data set are those duplicates, masked."""
+        """Loss and accuracy over the whole validation set, whatever the number of ranks.
+
+        The sampler pads the last round with repeated images, so that every rank gets as many
+        batches. Slot k of rank r is place k*N + r in the padded order. Places past the end of the
+        data set hold the repeats, and they are left out."""
         self.ddp.eval()
-        sums = torch.zeros(3, device=self.device, dtype=torch.float64)  # loss sum, correct, count
+        sums = torch.zeros(3, device=self.device, dtype=torch.float64)  # loss sum, hits, images
         k, n_total = 0, len(self.val_data.dataset)
         with torch.no_grad():
             for x, y in self.val_data:
@@ -117,31 +120,34 @@ class Trainer:
                 k += len(y)
                 logits = self.ddp(x)
                 loss = F.cross_entropy(logits.float(), y, reduction="none")
-                sums += torch.stack([(loss * real).sum(), ((logits.argmax(1) == y) & real).sum(), real.sum()]).double()
-        dist.all_reduce(sums)  # SUMs over ranks, then one division: a mean of per-rank means would be wrong
+                right = (logits.argmax(1) == y) & real
+                sums += torch.stack([(loss * real).sum(), right.sum(), real.sum()]).double()
+        dist.all_reduce(sums)  # Sums over ranks, then one division. A mean of means is wrong.
         return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item(), int(sums[2].item())
 
     def train(self):
         for epoch in range(self.epochs_done, self.args.epochs):
             t0 = time.perf_counter()
             train_loss, samples = self.run_epoch(epoch)
-            if not math.isfinite(train_loss):  # the same all-reduced loss on every rank: all stop here, together
-                raise UsageError(f"training diverged: loss {train_loss} in epoch {epoch + 1} (try a smaller --lr)")
+            if not math.isfinite(train_loss):  # Every rank has this loss, so all stop here.
+                raise UsageError(f"training diverged in epoch {epoch + 1} with loss {train_loss}. "
+                                 "Try a smaller --lr.")
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the GPU runs behind the host: wait for it before the clock
+                torch.cuda.synchronize(self.device)  # The GPU runs behind. Wait for it.
             elapsed = time.perf_counter() - t0
             val_loss, val_acc, n_val = self.evaluate()
-            print0(f"epoch {epoch + 1:>3}/{self.args.epochs} | train loss {train_loss:.4f} | val loss {val_loss:.4f} "
-                   f"| val acc {val_acc:.4f} ({n_val} samples) | {samples / elapsed:,.0f} samples/s")
+            print0(f"epoch {epoch + 1:>3}/{self.args.epochs} | train loss {train_loss:.4f} "
+                   f"| val loss {val_loss:.4f} | val acc {val_acc:.4f} ({n_val} samples) "
+                   f"| {samples / elapsed:,.0f} samples/s")
             if self.args.out:
-                if RANK == 0:  # every replica holds the same state: global rank 0 alone writes, even on many nodes
+                if RANK == 0:  # Every copy holds the same state, so global rank 0 alone saves.
                     save_checkpoint(self.args.out, epoch + 1, {
                         "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                         "scheduler": self.sched.state_dict(), "epoch": epoch + 1})
                 print0(f"saved {self.args.out}/checkpoint-{epoch + 1}.pt")
 
     def check_replicas(self):
-        """Identical gradients on identical weights keep the replicas identical: check it, bit for bit."""
+        """The same gradients on the same weights keep the copies equal. Check it, bit for bit."""
         flat = torch.cat([p.detach().flatten() for p in self.model.parameters()])
         ref = flat.clone()
         dist.broadcast(ref, src=0)
@@ -152,7 +158,8 @@ class Trainer:
 
 
 def one_cycle(step, total):
-    """The learning rate's factor at `step` of `total`: a linear warm-up, then a cosine decay to 0."""
+    """The learning rate's factor at `step` of `total`. It rises in a straight line, then falls
+    along a cosine to 0."""
     warm = max(1, round(WARMUP * total))
     if step < warm:
         return (step + 1) / warm
@@ -161,8 +168,8 @@ def one_cycle(step, total):
 
 # --- model and data ---
 def build_model(num_classes=10):
-    """torchvision's ResNet18 for 1x28x28 input: a 3x3 stem and no max-pool, so 28x28 is not shrunk to 7x7
-    before the first residual block."""
+    """torchvision's ResNet18 for 1x28x28 images. A 3x3 first layer and no max-pool keep the
+    first residual block at 28x28, not 7x7."""
     model = torchvision.models.resnet18(num_classes=num_classes)
     model.conv1 = nn.Conv2d(1, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
@@ -170,41 +177,44 @@ def build_model(num_classes=10):
 
 
 def load_data(args):
-    """(train, val): MNIST, or the offline digits, cut to --max-train-samples and --max-val-samples."""
-    if args.dataset == "fake":  # validation images come from seeds that no training image used
-        train, val = SyntheticDigits(args.fake_size, offset=0), SyntheticDigits(args.fake_size // 4, args.fake_size)
+    """The training and validation sets, MNIST or the offline digits, cut to the flags' sizes."""
+    if args.dataset == "fake":  # Validation images use seeds that no training image used.
+        train = SyntheticDigits(args.fake_size, offset=0)
+        val = SyntheticDigits(args.fake_size // 4, offset=args.fake_size)
     else:
-        # Local rank 0 of each node downloads what is missing while the others wait: two processes writing the same
-        # files would spoil them. Offline, torchvision's own error says what failed, and the launcher stops the rest.
+        # Local rank 0 of each node downloads what is missing, and the others wait. Two processes
+        # writing the same files would spoil them. Offline, torchvision's error says what failed.
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             for is_train in (True, False):
                 torchvision.datasets.MNIST(args.data_dir, train=is_train, download=True)
         dist.barrier()
         tf = torchvision.transforms.Compose([torchvision.transforms.ToTensor(),
-                                             torchvision.transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))])
+                                             torchvision.transforms.Normalize((MNIST_MEAN,),
+                                                                              (MNIST_STD,))])
         train = torchvision.datasets.MNIST(args.data_dir, train=True, transform=tf)
         val = torchvision.datasets.MNIST(args.data_dir, train=False, transform=tf)
     return first(train, args.max_train_samples), first(val, args.max_val_samples)
 
 
 def first(dataset, n):
-    """The first n samples (all if n is 0): a quick run on a slice of the data."""
+    """The first n samples, or all of them if n is 0. A quick run uses a slice of the data."""
     return Subset(dataset, range(min(n, len(dataset)))) if n else dataset
 
 
-# Seven-segment digits: each segment a stroke from (x0, y0) to (x1, y1) in a unit box, y pointing down.
-SEGMENTS = {"a": (0, 0, 1, 0), "b": (1, 0, 1, .5), "c": (1, .5, 1, 1), "d": (0, 1, 1, 1), "e": (0, .5, 0, 1),
-            "f": (0, 0, 0, .5), "g": (0, .5, 1, .5)}
+# Seven-segment digits. Each segment is a stroke from (x0, y0) to (x1, y1) in a unit box, y down.
+SEGMENTS = {"a": (0, 0, 1, 0), "b": (1, 0, 1, .5), "c": (1, .5, 1, 1), "d": (0, 1, 1, 1),
+            "e": (0, .5, 0, 1), "f": (0, 0, 0, .5), "g": (0, .5, 1, .5)}
 DIGITS = ("abcdef", "bc", "abdeg", "abcdg", "bcfg", "acdfg", "acdefg", "abc", "abcdefg", "abcdfg")
 
 
 class SyntheticDigits(torch.utils.data.Dataset):
-    """The offline stand-in for MNIST (--dataset fake): seven-segment digits of random size, place, stroke width
-    and brightness under pixel noise, normalised as MNIST is. There is something to learn (random labels would
-    teach nothing), and a nearest-mean guess gets only about a third right, so the network has work to do.
+    """The offline stand-in for MNIST (--dataset fake). Each image is a seven-segment digit of
+    random size, place, stroke width and brightness, under pixel noise, normalised as MNIST is.
+    There is something to learn, unlike with random labels. A guess from the mean image of each
+    digit gets only about a third right, so the network has work to do.
 
-    Sample i is drawn from its own seed, offset + i: every rank sees the same data set without anyone storing or
-    sending it."""
+    Sample i is drawn from its own seed, offset + i. So every rank sees the same data set, and
+    nobody stores or sends it."""
 
     def __init__(self, size, offset):
         self.size, self.offset = size, offset
@@ -217,135 +227,149 @@ class SyntheticDigits(torch.utils.data.Dataset):
 
         def uniform_int(low, high):
             return int(torch.randint(low, high + 1, (), generator=g))
-        label, w, h, t = uniform_int(0, 9), uniform_int(8, 14), uniform_int(14, 20), uniform_int(2, 3)
+        label, t = uniform_int(0, 9), uniform_int(2, 3)  # the digit, and the stroke's width
+        w, h = uniform_int(8, 14), uniform_int(14, 20)
         left, top = uniform_int(0, 28 - w - t), uniform_int(0, 28 - h - t)
         image = torch.zeros(28, 28)
         for segment in DIGITS[label]:
             x0, y0, x1, y1 = SEGMENTS[segment]
-            image[top + round(y0 * h):top + round(y1 * h) + t, left + round(x0 * w):left + round(x1 * w) + t] = 1
-        image = image * (0.6 + 0.4 * torch.rand((), generator=g)) + 0.2 * torch.randn(28, 28, generator=g)
+            rows = slice(top + round(y0 * h), top + round(y1 * h) + t)
+            image[rows, left + round(x0 * w):left + round(x1 * w) + t] = 1
+        image = image * (0.6 + 0.4 * torch.rand((), generator=g))
+        image = image + 0.2 * torch.randn(28, 28, generator=g)
         return ((image.clamp(0, 1) - MNIST_MEAN) / MNIST_STD).unsqueeze(0), label
 
 
 # --- main ---
 def main(args):
-    if args.nproc:  # --nproc N: this process starts the N ranks itself, as torchrun would on one machine
+    if args.nproc:  # This process starts the ranks itself, as torchrun would.
         if "RANK" in os.environ:
-            raise UsageError("--nproc starts its own processes: use it with plain python, not under torchrun")
+            raise UsageError("--nproc starts its own processes. Use it with plain python, "
+                             "not under torchrun.")
         spawn(args.nproc)
     device = setup(args)
     if args.precision == "auto":
-        args.precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    if device.type == "cuda":  # TF32 matmuls and convolutions: float32's range, 10-bit mantissa, tensor-core speed
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        args.precision = "bf16" if bf16 else "fp32"
+    if device.type == "cuda":  # TF32 has float32's range and runs at tensor-core speed.
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} precision={args.precision} "
-           f"torch={torch.__version__}")
-    state = None
-    if args.out:
-        state = load_newest(args.out)
-        if state and state["epoch"] >= args.epochs:
-            print0(f"OK nothing to train: {args.out} holds epoch {state['epoch']} of --epochs {args.epochs} "
-                   "(a larger --epochs continues it)")
-            return
+    print0(f"world_size={WORLD} backend={dist.get_backend()} device={device.type} "
+           f"precision={args.precision} torch={torch.__version__}")
+    state = load_newest(args.out) if args.out else None
+    if state and state["epoch"] >= args.epochs:
+        print0(f"OK nothing to train: {args.out} holds epoch {state['epoch']} of --epochs "
+               f"{args.epochs}. A larger --epochs trains on.")
+        return
 
     train_set, val_set = load_data(args)
-    # The same seed on every rank: one permutation of the indices, cut into disjoint shards, a new one each epoch
-    # (set_epoch). drop_last keeps the steps equal across ranks; validation is not shuffled, it is padded.
+    # Every rank shuffles with the same seed, so all cut the same order into shares that do not
+    # overlap. drop_last gives every rank as many steps. Validation is padded instead.
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
     val_sampler = DistributedSampler(val_set, shuffle=False)
-    # Worker processes decode batches ahead; pinned memory lets the copy to a GPU run asynchronously.
-    kw = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
+    # Worker processes prepare batches ahead. Pinned memory lets the copy to a GPU run alongside.
+    kw = dict(num_workers=args.workers, pin_memory=device.type == "cuda",
+              persistent_workers=args.workers > 0)
     train_data = DataLoader(train_set, args.batch_size, sampler=train_sampler, drop_last=True, **kw)
     val_data = DataLoader(val_set, args.batch_size, sampler=val_sampler, **kw)
     if len(train_data) == 0:
-        raise UsageError(f"{len(train_set)} training samples are too few for {WORLD} ranks x --batch-size "
-                         f"{args.batch_size}")
+        raise UsageError(f"{len(train_set)} training samples are too few for {WORLD} ranks "
+                         f"x --batch-size {args.batch_size}")
     print0(f"data: {args.dataset}, {len(train_set):,} train / {len(val_set):,} val samples")
-    print(f"[rank {RANK}/{WORLD}] device {device}: {len(train_sampler)} training samples per epoch, "
-          f"{len(train_data)} steps of {args.batch_size}\n", end="", flush=True)
+    print(f"[rank {RANK}/{WORLD}] device {device}: {len(train_sampler)} training samples per "
+          f"epoch, {len(train_data)} steps of {args.batch_size}\n", end="", flush=True)
 
-    torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP would broadcast rank 0's anyway)
+    torch.manual_seed(args.seed)  # The same first weights everywhere. DDP would copy rank 0's.
     trainer = Trainer(build_model(), train_data, val_data, args, device)
     if state:
         trainer.resume(state)
-        print0(f"resumed from {args.out}/checkpoint-{state['epoch']}.pt after epoch {state['epoch']}")
+        done = state["epoch"]
+        print0(f"resumed from {args.out}/checkpoint-{done}.pt after epoch {done}")
     trainer.train()
     trainer.check_replicas()
     print0(f"OK DDP ResNet18 on {WORLD} rank(s): replicas identical after {args.epochs} epoch(s)")
 
 
-# --- --nproc: starting the ranks without torchrun (the tutorial's multigpu.py) ---
-def spawn(nproc):  # start nproc ranks here, wait for them, and exit as they did
-    with socket.socket() as s:  # a free port on this machine, where the ranks meet
+# --- --nproc: starting the ranks without torchrun, as the tutorial's multigpu.py does ---
+def spawn(nproc):  # Start the ranks here, wait for them, and exit as they did.
+    with socket.socket() as s:  # A free port on this machine is where the ranks meet.
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    try:
-        mp.spawn(spawned, args=(nproc, port, sys.argv[1:]), nprocs=nproc)  # one failing: it stops the others
-    except mp.ProcessExitedException as e:  # that rank said why already; killed by a signal: exit 1
+    try:  # When one rank fails, mp.spawn stops the others.
+        mp.spawn(spawned, args=(nproc, port, sys.argv[1:]), nprocs=nproc)
+    except mp.ProcessExitedException as e:  # That rank said why. A killed rank exits 1.
         sys.exit(max(e.exit_code, 1))
-    sys.exit(0)  # not back to run(): this process joined no group to tear down
+    sys.exit(0)  # Not back to run(). This process joined no group that needs closing.
 
 
-def spawned(local_rank, nproc, port, argv):  # each rank: the environment torchrun would set, then the same run
+def spawned(local_rank, nproc, port, argv):  # Each rank sets torchrun's variables, then runs.
     global RANK, WORLD
-    RANK, WORLD = local_rank, nproc  # the setup block read them when the module loaded, before they were set
+    RANK, WORLD = local_rank, nproc  # The setup block read them at import, before they were set.
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    run(main, lambda: parse_args(argv + ["--nproc", "0"]))  # the last --nproc wins: a rank starts no more ranks
+    # The last --nproc wins, so a rank starts no more ranks.
+    run(main, lambda: parse_args(argv + ["--nproc", "0"]))
 
 
 # --- checkpoints: the same block in 05, 06 and 08 ---
 def load_newest(out):
-    """The newest checkpoint in --out that loads (None: none yet), on every rank. A run writes only into an --out that
-    is new, empty or holds checkpoint-* files (a run's), so never over files it did not write."""
-    if os.path.isdir(out) and os.listdir(out) and not any(f.startswith("checkpoint-") for f in os.listdir(out)):
-        raise UsageError(f"--out {out} holds files that no run wrote: pick a new or empty directory")  # on every rank
-    os.makedirs(out, exist_ok=True)  # now: a file of that name stops every rank here, not at the first save
-    found = [None]  # global rank 0 alone picks, so that every rank resumes from the same step
-    if RANK == 0:
-        for step in reversed(checkpoints(out)):
-            try:
-                torch.load(f"{out}/checkpoint-{step}.pt", map_location="cpu", weights_only=True, mmap=True)
-                found[0] = f"{out}/checkpoint-{step}.pt"
-                break
-            except Exception as e:  # a disk fault: skipped, and written over when its step is saved again
-                print0(f"warning: {out}/checkpoint-{step}.pt does not load ({type(e).__name__}): skipped")
-    dist.broadcast_object_list(found, src=0)  # several nodes: rank 0's --out on a disk they all see
-    return torch.load(found[0], map_location="cpu", weights_only=True, mmap=True) if found[0] else None  # mmap: lazy
+    """The newest checkpoint in --out that loads, on every rank, or None. A run writes only into an
+    --out that is new, empty or holds checkpoints, so never over files that no run wrote."""
+    if os.path.isdir(out) and os.listdir(out) and not glob.glob("checkpoint-*", root_dir=out):
+        raise UsageError(f"--out {out} holds files that no run wrote. Pick a new or empty folder.")
+    os.makedirs(out, exist_ok=True)  # Now, so that a file of that name stops every rank here.
+    found, me = [None, None], os.path.basename(__file__)  # the path, and the script that wrote it
+    for path in reversed(checkpoints(out)) if RANK == 0 else []:  # Rank 0 picks one for all.
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            found = [path, state.get("script", "another script")]
+            break
+        except Exception as e:  # A disk fault. Saving that step again writes over it.
+            print0(f"warning: {path} does not load ({type(e).__name__}), so this run skips it")
+    dist.broadcast_object_list(found, src=0)  # On several nodes, all must see the --out disk.
+    if found[0] and found[1] != me:  # Another script's checkpoint holds other things.
+        raise UsageError(f"{found[0]} was written by {found[1]}, not {me}. "
+                         "Give each script its own --out.")
+    return found[0] and torch.load(found[0], map_location="cpu", weights_only=True, mmap=True)
 
 
-def checkpoints(out):  # the steps saved in --out, oldest first (f[11:-3]: the STEP of checkpoint-STEP.pt)
-    return sorted(int(f[11:-3]) for f in glob.glob("checkpoint-*.pt", root_dir=out) if f[11:-3].isdigit())
+def checkpoints(out):  # the checkpoint files in --out, oldest first
+    names = [f for f in glob.glob("checkpoint-*.pt", root_dir=out) if f[11:-3].isdigit()]
+    return [f"{out}/{f}" for f in sorted(names, key=lambda f: int(f[11:-3]))]  # f[11:-3] is a step
 
 
-def save_checkpoint(out, step, state, keep=2):
-    """Global rank 0 only: written aside, then renamed into place (never half a checkpoint); the newest `keep` kept."""
-    torch.save(state, f"{out}/checkpoint-tmp")  # a crash mid-write leaves only this, written over the next time
+def save_checkpoint(out, step, state, keep=2):  # Global rank 0 alone calls it.
+    # Written aside, then renamed into place, so that no checkpoint is ever half written.
+    torch.save({**state, "script": os.path.basename(__file__)}, f"{out}/checkpoint-tmp")
     os.replace(f"{out}/checkpoint-tmp", f"{out}/checkpoint-{step}.pt")
-    for old in checkpoints(out)[:-keep]:
-        os.remove(f"{out}/checkpoint-{old}.pt")
+    for old in checkpoints(out)[:-keep]:  # The newest `keep` stay.
+        os.remove(old)
 
 
 # --- command line ---
 def parse_args(argv=None):
     p = Parser(__doc__, timeout_s=300)
     count = at_least(1)
-    p.add_argument("--dataset", choices=["mnist", "fake"], default="mnist", help="fake: digits drawn here, offline")
-    p.add_argument("--data-dir", default="data", help="torchvision's MNIST root (downloaded into it if missing)")
-    p.add_argument("--max-train-samples", type=at_least(0), default=2000, help="the first N training images (0: all)")
-    p.add_argument("--max-val-samples", type=at_least(0), default=1000, help="the first N test images (0: all)")
-    p.add_argument("--fake-size", type=at_least(4), default=2000, help="--dataset fake: training images (val: 1/4)")
+    p.add_argument("--dataset", choices=["mnist", "fake"], default="mnist",
+                   help="fake: digits drawn here, offline")
+    p.add_argument("--data-dir", default="data", help="MNIST's folder (downloaded if missing)")
+    p.add_argument("--max-train-samples", type=at_least(0), default=2000,
+                   help="the first N training images (0: all)")
+    p.add_argument("--max-val-samples", type=at_least(0), default=1000,
+                   help="the first N test images (0: all)")
+    p.add_argument("--fake-size", type=at_least(4), default=2000,
+                   help="--dataset fake: training images (a quarter as many for validation)")
     p.add_argument("--epochs", type=count, default=2)
     p.add_argument("--batch-size", type=count, default=32, help="per rank")
     p.add_argument("--lr", type=at_least(1e-12, float), default=0.05, help="peak learning rate")
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on a GPU")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="auto: bf16 on a GPU")
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (GPU only)")
-    p.add_argument("--workers", type=at_least(0), default=0, help="DataLoader worker processes per rank")
+    p.add_argument("--workers", type=at_least(0), default=0, help="DataLoader processes per rank")
     p.add_argument("--seed", type=at_least(0, below=2**32), default=0,
-                   help="initial weights (the same on every rank), shuffling")
-    p.add_argument("--out", default=None, help="checkpoint every epoch into this directory, resume from it")
-    p.add_argument("--nproc", type=at_least(0), default=0, help="start this many ranks here (plain python)")
-    p.add_argument("--crash-at-step", type=int, default=-1, help="SIGKILL the last rank at this step (1st attempt)")
+                   help="first weights (the same on every rank) and shuffling")
+    p.add_argument("--out", default=None, help="save a checkpoint here every epoch, resume from it")
+    p.add_argument("--nproc", type=at_least(0), default=0,
+                   help="start this many ranks here (plain python)")
     return p.parse_args(argv)
 
 

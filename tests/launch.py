@@ -130,6 +130,33 @@ def torchrun(script, nproc, args=(), timeout=180, torchrun_args=(), device="cpu"
     return res
 
 
+def kill_a_worker_after(script, text, args, timeout, nproc=2):
+    """``script`` under torchrun (``nproc`` ranks, one restart allowed). Once a line holds ``text``, one worker
+    is SIGKILLed from outside, as a machine fault would do it; torchrun then stops the others and starts them all
+    again. Returns the Result and the pid killed (None if ``text`` never came)."""
+    import threading
+    cmd = torchrun_cmd(script, nproc, with_device(args, "cpu"), ["--max-restarts=1"])
+    proc = subprocess.Popen(cmd, cwd=REPO, env=make_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    timer = threading.Timer(timeout, kill_tree, [proc])  # a hang ends the test, not the suite
+    timer.start()
+    output, killed = [], None
+    for line in proc.stdout:
+        output.append(line)
+        if killed is None and text in line:
+            for pid in descendants(proc.pid):
+                with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read()
+                    if Path(script).name.encode() in argv and b"torch.distributed.run" not in argv:
+                        killed = pid  # a worker, not the agent
+            if killed is not None:
+                os.kill(killed, signal.SIGKILL)
+                output.append(f"[test] SIGKILL to worker {killed}\n")
+    proc.wait()
+    timer.cancel()
+    return Result(proc.returncode, "".join(output), not timer.is_alive() and proc.returncode == -9), killed
+
+
 def ranks(script, nproc, args=(), timeout=120, device="cpu", cwds=None, **env):
     """Start ``nproc`` plain processes with the environment torchrun gives its workers, but no agent.
 

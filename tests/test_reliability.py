@@ -4,9 +4,13 @@ The stories that need a real job (kill and resume, a damaged checkpoint, a finis
 script's own test file; here, the table of bad flags for every script, and the --out contract of 05, 06 and 08.
 """
 
+import re
+
 import pytest
+import torch
 
 import launch
+from conftest import load_script
 
 PROXY = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}  # a download fails at once
 HUGE = "99999999999999999999"
@@ -90,12 +94,41 @@ def test_bad_input_is_one_line_on_rank_0_exit_2_and_touches_nothing(tmp_path):
     assert tree(out) == before, "a bad flag changed the existing --out"
 
 
+CHECKPOINTING = ("05_manual_ddp_gpt2.py", "06_torch_ddp_resnet.py", "08_fsdp.py")
+
+
+def test_each_script_refuses_another_scripts_checkpoints_and_changes_nothing(tmp_path, group_of_one):
+    """05, 06 and 08 share one checkpoint block, and each checkpoint names the script that wrote it (#60). Each
+    script's load_newest, pointed at an --out of another script or of a version that did not name its writer,
+    stops with a UsageError that names both (run() makes it one `error:` line, exit 2: the slow test below) and
+    changes no file. Pointed at its own --out, it loads. One process, small fake checkpoints, every pair."""
+    scripts = {name: load_script(name) for name in CHECKPOINTING}
+    folders = {name: tmp_path / name[:2] for name in [*CHECKPOINTING, "older"]}
+    for name, folder in folders.items():
+        folder.mkdir()
+        if name == "older":  # written before checkpoints named their writer
+            torch.save({"step": 3, "w": torch.ones(2)}, folder / "checkpoint-3.pt")
+        else:
+            scripts[name].save_checkpoint(str(folder), 3, {"step": 3, "w": torch.ones(2)})
+    before = {name: tree(folder) for name, folder in folders.items()}
+    for reader, lesson in scripts.items():
+        for writer, folder in folders.items():
+            if writer == reader:
+                assert torch.equal(lesson.load_newest(str(folder))["w"], torch.ones(2)), reader
+                continue
+            said = "another script" if writer == "older" else writer
+            wanted = f"{folder}/checkpoint-3.pt was written by {said}, not {reader}. Give each script its own --out."
+            with pytest.raises(lesson.UsageError, match=f"^{re.escape(wanted)}$"):
+                lesson.load_newest(str(folder))
+    assert {name: tree(folder) for name, folder in folders.items()} == before, "a refused run changed an --out"
+
+
 @pytest.mark.slow  # real runs of 05, 06 and 08 write the --out folders first (about 30 s)
 def test_an_out_is_never_written_by_a_run_that_did_not_write_it(tmp_path):
-    """One checkpoint contract for 05, 06 and 08: a run writes only into a new or empty --out, or one that holds a
-    run's checkpoint-* files. A directory of other files stops the run in one line. Another script's --out (written
-    here by a short real run of it) stops the run with a nonzero exit, its checkpoint being of another shape. Neither
-    changes a file. (Plain python: a group of one.)"""
+    """One checkpoint contract for 05, 06 and 08, end to end: a run writes only into a new or empty --out, or one
+    that holds a run's checkpoint-* files. A directory of other files, or another script's --out (written here by
+    a short real run of it), stops the run with one `error:` line, exit 2, and changes no file. (Plain python: a
+    group of one.)"""
     tiny = {"05_manual_ddp_gpt2.py": ["--seq-len", "32", "--batch-size", "2", "--eval-every", "0", "--sample-tokens",
                                       "0", "--max-steps"],
             "06_torch_ddp_resnet.py": ["--dataset", "fake", "--fake-size", "32", "--batch-size", "8", "--epochs"],
@@ -113,11 +146,11 @@ def test_an_out_is_never_written_by_a_run_that_did_not_write_it(tmp_path):
     cases = [(s, writer) for s in tiny for writer in dirs if writer != s]
     runs = [(s, [*tiny[s], "2", "--out", dirs[writer], "--device", "cpu"], "alone", {}) for s, writer in cases]
     for (script, writer), (code, said) in zip(cases, launch.forked_cases(runs, tmp_path)):
+        errors = [ln for ln in said.splitlines() if ln.startswith("error:")]
         if writer == "other":
-            errors = [ln for ln in said.splitlines() if ln.startswith("error:")]
-            message = f"--out {dirs['other']} holds files that no run wrote: pick a new or empty directory"
-            assert code == 2 and len(errors) == 1 and message in errors[0], (script, code, said)
-            assert "Traceback" not in said, said
+            message = f"--out {dirs['other']} holds files that no run wrote. Pick a new or empty folder."
         else:
-            assert code != 0, (script, writer, code, said)
+            message = f"was written by {writer}, not {script}. Give each script its own --out."
+        assert code == 2 and len(errors) == 1 and message in errors[0], (script, writer, code, said)
+        assert "Traceback" not in said, said
     assert {name: tree(folder) for name, folder in dirs.items()} == before, "a refused run changed an --out"

@@ -1,5 +1,5 @@
-"""06: native DDP on ResNet18, its offline digits learned, the MNIST path on test-written IDX files, validation
-that does not count the sampler's padding, the spawn path, checkpoints and restarts."""
+"""06: native DDP on ResNet18. Its own training equals one process's, its offline digits are learned, the MNIST
+path runs on test-written IDX files, and the spawn path, checkpoints and restarts work."""
 
 import re
 import struct
@@ -31,9 +31,14 @@ def mnist_dir(tmp_path):
     return tmp_path
 
 
-def test_ddp_equals_per_shard_reference():
-    res = launch.run(launch.torchrun_cmd("tests/workers/resnet_worker.py", 2), timeout=180)
-    assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output
+def test_06_trains_as_one_process_would_and_resumes_bit_for_bit(tmp_path):
+    """06's own main() on 2 ranks against one process (tests/workers/resnet_worker.py): DistributedSampler's order
+    each epoch, the weights, the printed training loss of all ranks, validation over the whole set once. Then,
+    resumed from epoch 1's checkpoint alone, it ends bit for bit where it ended; asked again, it trains nothing."""
+    res = launch.run(launch.torchrun_cmd("tests/workers/resnet_worker.py", 2, [tmp_path]), timeout=300)
+    assert not res.timed_out and res.returncode == 0, res.output
+    oks = [ln for ln in res.output.splitlines() if ln.startswith("OK 06 on 2 ranks")]
+    assert len(oks) == 2 and (res.ok_line() or "").startswith("OK DDP ResNet18"), res.output
 
 
 def test_the_offline_digits_are_one_data_set_with_something_to_learn(script):
@@ -67,41 +72,37 @@ def test_the_offline_run_learns_on_two_ranks():
 
 
 @pytest.mark.slow
-def test_spawn_crash_restart_damage_and_continue(tmp_path, mnist_dir, script):
-    args = ["--data-dir", mnist_dir, "--batch-size", "8", "--epochs", "2"]
+def test_spawn_killed_restarted_damaged_and_continued(tmp_path, mnist_dir):
+    args = ["--data-dir", mnist_dir, "--batch-size", "8", "--epochs", "3"]
     # The uninterrupted run without torchrun (--nproc 2 spawns the ranks), on the MNIST files: 33 validation
-    # images on 2 ranks, which the sampler pads to 34; the padded duplicate must not be counted.
+    # images on 2 ranks, which the sampler pads to 34; the padded repeat must not be counted.
     whole = launch.python(SCRIPT, args + ["--nproc", "2", "--out", tmp_path / "whole"], timeout=300)
     assert whole.returncode == 0 and whole.ok_line() and "world_size=2" in whole.output, whole.output
     assert "data: mnist, 32 train / 33 val samples" in whole.output, whole.output
     assert "[rank 1/2] device cpu: 16 training samples per epoch, 2 steps of 8" in whole.output, whole.output
     assert re.search(r"val acc [\d.]+ \(33 samples\)", whole.output), whole.output
-    # Under torchrun, the last rank SIGKILLs itself at step 3, inside epoch 2 (2 steps an epoch), after epoch 1's
-    # checkpoint; torchrun restarts both, they resume, and end where the spawned run ended, bit for bit.
-    crashed = launch.torchrun(SCRIPT, 2, args + ["--out", tmp_path / "crashed", "--crash-at-step", "3"],
-                              torchrun_args=["--max-restarts=1"], timeout=300)
-    assert crashed.returncode == 0 and crashed.ok_line(), crashed.output
-    assert "SIGKILL to myself" in crashed.output and "after epoch 1" in crashed.output, crashed.output
+    # Under torchrun, a worker is SIGKILLed from outside once epoch 1's checkpoint is saved. torchrun restarts
+    # both; they resume from the newest checkpoint and end where the spawned run ended, bit for bit.
+    crashed, killed = launch.kill_a_worker_after(
+        SCRIPT, f"saved {tmp_path / 'crashed'}/checkpoint-1.pt", args + ["--out", tmp_path / "crashed"], 300)
+    assert killed and crashed.returncode == 0 and crashed.ok_line(), crashed.output
+    assert re.search(r"^resumed from .*checkpoint-[12]\.pt after epoch [12]$", crashed.output, re.M), crashed.output
     out = tmp_path / "whole"
-    a, b = torch.load(out / "checkpoint-2.pt"), torch.load(tmp_path / "crashed" / "checkpoint-2.pt")
+    a, b = torch.load(out / "checkpoint-3.pt"), torch.load(tmp_path / "crashed" / "checkpoint-3.pt")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), "resumed run != uninterrupted run"
     assert all(torch.equal(x["momentum_buffer"], b["optimizer"]["state"][i]["momentum_buffer"])
                for i, x in a["optimizer"]["state"].items())
-    # The checkpoint loads into build_model(): no "module." prefix, nothing left over; the one before is kept.
-    assert set(a) == {"model", "optimizer", "scheduler", "epoch"} and a["epoch"] == 2
-    assert torch.load(out / "checkpoint-1.pt")["epoch"] == 1
-    script(SCRIPT).build_model().load_state_dict(a["model"])  # strict: every key matches
-    # The newest checkpoint is damaged (cut short): the run resumes from the one before and continues a finished
-    # run with more epochs, writing epoch 2 over the damaged file; the newest two stay. Asked again, the finished
+    # The newest checkpoint is damaged (cut short). The run resumes from the one before and continues a finished
+    # run with more epochs, writing epoch 3 over the damaged file; the newest two stay. Asked again, the finished
     # run says so and trains nothing.
-    (out / "checkpoint-2.pt").write_bytes((out / "checkpoint-2.pt").read_bytes()[:1000])
-    more = launch.torchrun(SCRIPT, 2, args[:-1] + ["3", "--out", out], timeout=300)
+    (out / "checkpoint-3.pt").write_bytes((out / "checkpoint-3.pt").read_bytes()[:1000])
+    more = launch.torchrun(SCRIPT, 2, args[:-1] + ["4", "--out", out], timeout=300)
     assert more.returncode == 0 and more.ok_line(), more.output
-    assert f"warning: {out}/checkpoint-2.pt does not load (" in more.output, more.output
-    assert f"resumed from {out}/checkpoint-1.pt after epoch 1" in more.output, more.output
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2.pt", "checkpoint-3.pt"]
-    assert [torch.load(out / f"checkpoint-{e}.pt")["epoch"] for e in (2, 3)] == [2, 3]
-    again = launch.torchrun(SCRIPT, 2, args[:-1] + ["3", "--out", out], timeout=300)
+    assert f"warning: {out}/checkpoint-3.pt does not load (" in more.output, more.output
+    assert f"resumed from {out}/checkpoint-2.pt after epoch 2" in more.output, more.output
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3.pt", "checkpoint-4.pt"]
+    assert [torch.load(out / f"checkpoint-{e}.pt")["epoch"] for e in (3, 4)] == [3, 4]
+    again = launch.torchrun(SCRIPT, 2, args[:-1] + ["4", "--out", out], timeout=300)
     assert again.returncode == 0 and again.ok_line().startswith("OK nothing to train"), again.output
     assert "train loss" not in again.output, again.output
 

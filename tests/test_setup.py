@@ -56,12 +56,13 @@ def test_every_script_is_within_its_size():
 
 
 def test_05_06_08_share_one_checkpoint_block():
-    """One checkpoint contract for every --out: the same code, copied, at most 30 lines (issue #51)."""
+    """One checkpoint contract for every --out: the same code, copied, at most 33 lines (30 at 120
+    characters, issue #51; wrapping at 100 and naming the writer, #59 and #60, took three more)."""
     blocks = {name: re.search(r"^# --- checkpoints: the same block.*?(?=^# --- )", (REPO / name).read_text(),
                               re.S | re.M).group(0) for name in ("05_manual_ddp_gpt2.py", "06_torch_ddp_resnet.py",
                                                                  "08_fsdp.py")}
     assert len(set(blocks.values())) == 1 and "def load_newest" in blocks["08_fsdp.py"], "copy the checkpoint block"
-    assert len(blocks["08_fsdp.py"].rstrip().splitlines()) <= 30, blocks["08_fsdp.py"]
+    assert len(blocks["08_fsdp.py"].rstrip().splitlines()) <= 33, blocks["08_fsdp.py"]
 
 
 class DiskFull:
