@@ -491,14 +491,14 @@ def load_newest(out):
     for path in reversed(checkpoints(out)) if RANK == 0 else []:  # Rank 0 picks one for all.
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            found = [path, state.get("script", "another script")]
+            found = [path, state.get("script", "an older version")]
             break
         except Exception as e:  # A disk fault. Saving that step again writes over it.
             print0(f"warning: {path} does not load ({type(e).__name__}), so this run skips it")
     dist.broadcast_object_list(found, src=0)  # On several nodes, all must see the --out disk.
     if found[0] and found[1] != me:  # Another script's checkpoint holds other things.
         raise UsageError(f"{found[0]} was written by {found[1]}, not {me}. "
-                         "Give each script its own --out.")
+                         "Start this run in a new --out.")
     return found[0] and torch.load(found[0], map_location="cpu", weights_only=True, mmap=True)
 
 

@@ -116,8 +116,8 @@ def test_each_script_refuses_another_scripts_checkpoints_and_changes_nothing(tmp
             if writer == reader:
                 assert torch.equal(lesson.load_newest(str(folder))["w"], torch.ones(2)), reader
                 continue
-            said = "another script" if writer == "older" else writer
-            wanted = f"{folder}/checkpoint-3.pt was written by {said}, not {reader}. Give each script its own --out."
+            said = "an older version" if writer == "older" else writer
+            wanted = f"{folder}/checkpoint-3.pt was written by {said}, not {reader}. Start this run in a new --out."
             with pytest.raises(lesson.UsageError, match=f"^{re.escape(wanted)}$"):
                 lesson.load_newest(str(folder))
     assert {name: tree(folder) for name, folder in folders.items()} == before, "a refused run changed an --out"
@@ -150,7 +150,7 @@ def test_an_out_is_never_written_by_a_run_that_did_not_write_it(tmp_path):
         if writer == "other":
             message = f"--out {dirs['other']} holds files that no run wrote. Pick a new or empty folder."
         else:
-            message = f"was written by {writer}, not {script}. Give each script its own --out."
+            message = f"was written by {writer}, not {script}. Start this run in a new --out."
         assert code == 2 and len(errors) == 1 and message in errors[0], (script, writer, code, said)
         assert "Traceback" not in said, said
     assert {name: tree(folder) for name, folder in dirs.items()} == before, "a refused run changed an --out"
