@@ -25,7 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# torchrun gives each process these variables. The setup block at the end reads RANK and WORLD_SIZE.
+# torchrun gives each process these variables. The setup block at the end of this file reads two of
+# them into RANK and WORLD, which the code below uses.
 #   RANK, WORLD_SIZE              Its number in the whole job, from 0, and the number of processes.
 #   LOCAL_RANK, LOCAL_WORLD_SIZE  The same on its own node. The local rank picks the GPU.
 #   GROUP_RANK                    The node's number, which torchrun was given as --node_rank.
@@ -60,7 +61,7 @@ def main(args):
         raise UsageError("this lesson needs 2 or more ranks, so launch with torchrun, "
                          f"e.g. torchrun --nproc_per_node=2 {sys.argv[0]}")
     device = setup(args)
-    if args.blocking and dist.get_backend() == "nccl":  # There, send() blocks the GPU, not us.
+    if args.blocking and dist.get_backend() == "nccl":  # On NCCL, send() returns at once.
         raise UsageError("--blocking shows the deadlock on gloo only, so add --backend gloo")
     who_am_i(device)
     if dist.get_backend() == "gloo" and device.type == "cuda":  # NCCL would send GPU memory.
@@ -110,7 +111,7 @@ def main(args):
             print0("OK --blocking deadlocked, as promised. The normal run posts both sides at "
                    "once, with batch_isend_irecv.")
             os._exit(0)  # The demo is done. The sends are still posted, so skip the teardown.
-    # Posted together, the send and the receive can be matched by the backend. NCCL fuses them.
+    # batch_isend_irecv posts the send and the receive together, so neither waits for the other.
     ops = [dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)]
     for req in dist.batch_isend_irecv(ops):
         req.wait()
@@ -168,7 +169,7 @@ def parse_args():
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # from torchrun
 
 
-class UsageError(Exception): ...  # a bad flag or input: one `error:` line (run()), exit status 2
+class UsageError(Exception): ...  # A bad flag or input. run() prints one line, and exits 2.
 
 
 def print0(*msg):  # rank 0 tells the story, once. One write, so that lines from ranks never mix.
@@ -196,14 +197,14 @@ class Parser(argparse.ArgumentParser):  # the flags every script shares
     def error(self, message): raise UsageError(message)  # one line from rank 0 (run())
 
 
-def run(main, parse_args):  # a dead peer ends in the library's timeout error, never a hang
+def run(main, parse_args):  # Runs main. setup()'s timeout ends a job whose peer died.
     try:
         main(parse_args())
-    except UsageError as e:  # every rank stops alike, with exit status 2. Rank 0 says why.
+    except UsageError as e:  # Every rank stops alike, with exit status 2. Rank 0 says why.
         print0(f"error: {e}")
-        os._exit(2)  # at once: tearing down a live group can abort in gloo's threads (SIGABRT)
-    dist.destroy_process_group()  # main() always joins the group first
-    time.sleep(0.05)  # gloo's threads drop their last tensors before exit, or it can abort
+        os._exit(2)  # Exit at once. Tearing down a live group can crash gloo's threads.
+    dist.destroy_process_group()  # main() always joins the group first.
+    time.sleep(0.05)  # Give gloo's threads a moment to let go of tensors, or exit can crash.
 
 
 if __name__ == "__main__":

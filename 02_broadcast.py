@@ -4,7 +4,7 @@ It teaches three things, in this order.
   1. dist.broadcast from a source rank you choose. Each rank prints its tensor before and after.
   2. The same by hand, on send and recv. The ranks that hold the data double in number every round,
      like a tree's branches. So N ranks need ceil(log2 N) rounds, not N-1 sends from the source.
-     This binomial tree is checked equal to dist.broadcast.
+     The script checks that this tree, a binomial tree, gives what dist.broadcast gives.
   3. Why DDP broadcasts when it starts. Replicas built with different seeds differ. Broadcasting
      rank 0's parameters and buffers makes them identical, and every rank checks that.
 
@@ -51,8 +51,8 @@ def tree_broadcast(tensor, src=0):
 
 @contextlib.contextmanager
 def sendable(tensor):
-    """tensor itself, or a CPU copy that is written back at the end. gloo's send and recv move CPU
-    memory only. Its CUDA support covers the collectives."""
+    """Yield the tensor itself, or a CPU copy that is written back at the end. gloo's send and recv
+    move CPU memory only. Its CUDA support covers the collectives."""
     host = tensor.cpu() if tensor.is_cuda and dist.get_backend() == "gloo" else tensor
     yield host
     if host is not tensor:
@@ -107,7 +107,7 @@ def main(args):
     # 3. Each rank builds its own model, with its own seed. These replicas differ...
     model = make_model(seed=RANK).to(device)
     with torch.no_grad():
-        model[1].running_mean.fill_(RANK)  # As if each rank saw other data. Buffers differ too.
+        model[1].running_mean.fill_(RANK)  # As if each rank saw other data, so buffers differ too.
     assert not all_identical(fingerprint(model)), "replicas should differ before the broadcast"
     print0("before: replicas differ (each rank used its own seed)")
     library = fingerprint(model)
@@ -147,7 +147,7 @@ def parse_args():
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # from torchrun
 
 
-class UsageError(Exception): ...  # a bad flag or input: one `error:` line (run()), exit status 2
+class UsageError(Exception): ...  # A bad flag or input. run() prints one line, and exits 2.
 
 
 def print0(*msg):  # rank 0 tells the story, once. One write, so that lines from ranks never mix.
@@ -193,14 +193,14 @@ def setup(args):  # pick this rank's device, then join the group
     return device
 
 
-def run(main, parse_args):  # a dead peer ends in the library's timeout error, never a hang
+def run(main, parse_args):  # Runs main. setup()'s timeout ends a job whose peer died.
     try:
         main(parse_args())
-    except UsageError as e:  # every rank stops alike, with exit status 2. Rank 0 says why.
+    except UsageError as e:  # Every rank stops alike, with exit status 2. Rank 0 says why.
         print0(f"error: {e}")
-        os._exit(2)  # at once: tearing down a live group can abort in gloo's threads (SIGABRT)
-    dist.destroy_process_group()  # main() always joins the group first
-    time.sleep(0.05)  # gloo's threads drop their last tensors before exit, or it can abort
+        os._exit(2)  # Exit at once. Tearing down a live group can crash gloo's threads.
+    dist.destroy_process_group()  # main() always joins the group first.
+    time.sleep(0.05)  # Give gloo's threads a moment to let go of tensors, or exit can crash.
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """03 - All-reduce. Every rank ends with the sum of everyone's tensor. DDP does this to gradients.
 
-ring_all_reduce() does it by hand, with the ranks in a ring, in two phases of N-1 steps. First, a
-reduce-scatter leaves each rank owning the whole sum of one chunk. Then an all-gather passes the
-owned chunks round. Each rank sends 2(N-1)/N of the data, whatever N is. That is why rings scale.
-For a second read, pipelined_ring_all_reduce() runs the same ring in pieces, as fast as gloo's.
+ring_all_reduce() does it by hand, with the ranks in a ring, in two phases of N-1 steps. First,
+each rank adds up one chunk with its neighbours, until it owns that chunk's whole sum. This is a
+reduce-scatter. Then the ranks pass the finished chunks round. This is an all-gather. Each rank
+sends 2(N-1)/N times the data, just under twice, however many ranks. That is why rings scale.
+A second read, pipelined_ring_all_reduce(), runs the ring in pieces, as fast as gloo's from 16 MiB.
 
 Run it on the CPU, where --trace prints the ring step by step, or on N GPUs:
   torchrun --nproc_per_node=3 03_all_reduce.py [--trace]
@@ -80,7 +81,7 @@ def flat_sendable(tensor):
 
 # --- a second read: the same ring, pipelined. Skip it on a first pass. ---
 PIECE_BYTES = 1 << 20  # 1-4 MiB run alike here. 64 KiB is 2.5x slower (benchmarks/README.md).
-_staging = {}  # dtype -> receive buffers kept between calls. Fresh memory faults once per 4 KiB.
+_staging = {}  # dtype -> receive buffers, kept between calls, since new memory is slow at first.
 
 
 def pipelined_ring_all_reduce(tensor, piece_bytes=PIECE_BYTES):
@@ -131,9 +132,9 @@ def trace_ring(device):
         return "[" + " | ".join(f"{c.item():>{WORLD}}" for c in chunks) + "]"
 
     def step(phase, s, sent, received, chunks):
-        verb = "added" if phase == "reduce-scatter" else "copied"
-        print0(f"{phase}, step {s + 1} of {WORLD - 1}: each rank sends a chunk right; "
-               f"the one from the left is {verb}")
+        verb, do = ("added", "adds") if phase == "reduce-scatter" else ("copied", "copies")
+        print0(f"{phase}, step {s + 1} of {WORLD - 1}: each rank sends a chunk right, and {do} "
+               "the one from its left")
         log_in_rank_order(f"holds {holds(chunks)}  sent chunk {sent} to rank {(RANK + 1) % WORLD}, "
                           f"{verb} chunk {received} from rank {(RANK - 1) % WORLD}")
 
@@ -193,7 +194,7 @@ def parse_args():
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # from torchrun
 
 
-class UsageError(Exception): ...  # a bad flag or input: one `error:` line (run()), exit status 2
+class UsageError(Exception): ...  # A bad flag or input. run() prints one line, and exits 2.
 
 
 def print0(*msg):  # rank 0 tells the story, once. One write, so that lines from ranks never mix.
@@ -239,14 +240,14 @@ def setup(args):  # pick this rank's device, then join the group
     return device
 
 
-def run(main, parse_args):  # a dead peer ends in the library's timeout error, never a hang
+def run(main, parse_args):  # Runs main. setup()'s timeout ends a job whose peer died.
     try:
         main(parse_args())
-    except UsageError as e:  # every rank stops alike, with exit status 2. Rank 0 says why.
+    except UsageError as e:  # Every rank stops alike, with exit status 2. Rank 0 says why.
         print0(f"error: {e}")
-        os._exit(2)  # at once: tearing down a live group can abort in gloo's threads (SIGABRT)
-    dist.destroy_process_group()  # main() always joins the group first
-    time.sleep(0.05)  # gloo's threads drop their last tensors before exit, or it can abort
+        os._exit(2)  # Exit at once. Tearing down a live group can crash gloo's threads.
+    dist.destroy_process_group()  # main() always joins the group first.
+    time.sleep(0.05)  # Give gloo's threads a moment to let go of tensors, or exit can crash.
 
 
 if __name__ == "__main__":

@@ -3,12 +3,12 @@
 It teaches four things, in this order.
   1. How the sampler shards the data. All ranks shuffle with one shared seed, so they agree on the
      order. Rank r then takes every N-th index, from index r. The indices equal torch's.
-  2. The padding. The first samples repeat so that all ranks get as many. drop_last drops the tail.
+  2. Padding. The first samples repeat so that every rank gets as many, or drop_last cuts the tail.
   3. set_epoch. Without it, every epoch replays the same order. Break it with --no-set-epoch.
-  4. A pitfall in evaluation. The repeats count twice in a distributed accuracy. Then the fix.
+  4. A pitfall. The repeats count twice in an accuracy summed over the ranks. Then the fix.
 
 Run it on the CPU with 2 ranks or more, or on N GPUs:
-  torchrun --nproc_per_node=3 04_sampler.py [--no-set-epoch]
+  torchrun --nproc_per_node=2 04_sampler.py [--no-set-epoch]
   torchrun --nproc_per_node=N 04_sampler.py   # on N GPUs, one per rank, with NCCL
 On 2 nodes of G processes each, run this on node K = 0 and on node K = 1:
   torchrun --nnodes=2 --node_rank=K --nproc_per_node=G --master_addr=HOST 04_sampler.py
@@ -39,8 +39,8 @@ class DistributedSampler(torch.utils.data.Sampler):
         self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
         self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
         n = len(dataset)
-        # Every rank must get the same number of samples. Otherwise one rank runs an extra step,
-        # and its gradient all-reduce waits forever. So drop the tail, or pad with repeats.
+        # Every rank must get as many samples. Otherwise one rank runs an extra step, and its
+        # all-reduce waits for peers that never come. So drop the tail, or pad with repeats.
         self.num_samples = n // num_replicas if drop_last else math.ceil(n / num_replicas)
         self.total_size = self.num_samples * num_replicas
 
@@ -84,10 +84,11 @@ def main(args):
     device = setup(args)  # RANK and WORLD come from torchrun's environment, as 01 shows.
     data = list(range(args.dataset_size))
 
-    # 1. Ours against torch's, for both drop_last settings and two epochs, on every rank.
-    for drop_last in (False, True):
-        ours = DistributedSampler(data, shuffle=True, seed=args.seed, drop_last=drop_last)
-        ref = torch.utils.data.DistributedSampler(data, seed=args.seed, drop_last=drop_last)
+    # 1. Ours against torch's, shuffled or in order, with drop_last or not, in two epochs.
+    for drop_last, shuffle in [(False, True), (True, True), (False, False), (True, False)]:
+        ours = DistributedSampler(data, shuffle=shuffle, seed=args.seed, drop_last=drop_last)
+        ref = torch.utils.data.DistributedSampler(data, shuffle=shuffle, seed=args.seed,
+                                                  drop_last=drop_last)
         for epoch in (0, 1):
             ours.set_epoch(epoch)
             ref.set_epoch(epoch)
@@ -100,8 +101,8 @@ def main(args):
     dupes = sorted({i for i in everyone if everyone.count(i) > 1})
     print0(f"padding: {sampler.total_size} slots for {len(data)} samples -> seen twice: {dupes}")
     used = sum(gather(list(DistributedSampler(data, seed=args.seed, drop_last=True))), [])
-    print0(f"drop_last=True instead: {len(set(used))} samples used, "
-           f"never seen this epoch: {sorted(set(data) - set(used))}")
+    print0(f"drop_last=True instead: {len(set(used))} samples used, never seen this epoch: "
+           f"{sorted(set(data) - set(used))}")
 
     # 3. set_epoch. The seed is seed + epoch, so the loop tells the sampler the epoch.
     orders = []
@@ -116,18 +117,21 @@ def main(args):
         print0("OK --no-set-epoch showed the bug. Call sampler.set_epoch(epoch) before each epoch.")
         return
 
-    # 4. Evaluation. Pretend the model is right on every index that is not a multiple of 3.
-    correct = torch.tensor([float(i % 3 != 0) for i in sampler], device=device)
-    # The fix. Slot k of rank r is position k*N + r of the padded list. Past len(data) is padding.
+    # 4. Evaluation reads in order, padded alike. Say the model is right unless 3 divides the index.
+    evaluation = DistributedSampler(data, shuffle=False)
+    correct = torch.tensor([float(i % 3 != 0) for i in evaluation], device=device)
+    # The fix. Slot k of rank r is position k*N + r of the padded list. Mask from len(data) on.
     real = (torch.arange(len(correct), device=device) * WORLD + RANK < len(data)).float()
-    # Naive counts, with the repeats twice, then masked ones. SUM the counts, then divide once. A
-    # mean of the ranks' means would be wrong too.
+    # Count naively, with repeats twice, then with the padding masked. SUM over the ranks, then
+    # divide once. A mean of the ranks' means would be wrong too.
     counts = torch.stack([correct.sum(), torch.ones_like(correct).sum(), (correct * real).sum(),
                           real.sum()])
     dist.all_reduce(counts)
     naive, fixed = counts[0] / counts[1], counts[2] / counts[3]
     exact = sum(i % 3 != 0 for i in data) / len(data)
     assert abs(fixed.item() - exact) < 1e-6, (fixed, exact)
+    seen = sum(gather(list(evaluation)), [])
+    print0(f"evaluation in order: seen twice: {sorted({i for i in seen if seen.count(i) > 1})}")
     print0(f"accuracy: exact {exact:.4f} | naive distributed {naive:.4f} over {counts[1]:.0f} "
            f"samples | padding masked {fixed:.4f} over {counts[3]:.0f} samples")
     print0(f"OK DistributedSampler equals torch's on {WORLD} ranks; padded evaluation fixed")
@@ -146,7 +150,7 @@ def parse_args():
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # from torchrun
 
 
-class UsageError(Exception): ...  # a bad flag or input: one `error:` line (run()), exit status 2
+class UsageError(Exception): ...  # A bad flag or input. run() prints one line, and exits 2.
 
 
 def print0(*msg):  # rank 0 tells the story, once. One write, so that lines from ranks never mix.
@@ -192,14 +196,14 @@ def setup(args):  # pick this rank's device, then join the group
     return device
 
 
-def run(main, parse_args):  # a dead peer ends in the library's timeout error, never a hang
+def run(main, parse_args):  # Runs main. setup()'s timeout ends a job whose peer died.
     try:
         main(parse_args())
-    except UsageError as e:  # every rank stops alike, with exit status 2. Rank 0 says why.
+    except UsageError as e:  # Every rank stops alike, with exit status 2. Rank 0 says why.
         print0(f"error: {e}")
-        os._exit(2)  # at once: tearing down a live group can abort in gloo's threads (SIGABRT)
-    dist.destroy_process_group()  # main() always joins the group first
-    time.sleep(0.05)  # gloo's threads drop their last tensors before exit, or it can abort
+        os._exit(2)  # Exit at once. Tearing down a live group can crash gloo's threads.
+    dist.destroy_process_group()  # main() always joins the group first.
+    time.sleep(0.05)  # Give gloo's threads a moment to let go of tensors, or exit can crash.
 
 
 if __name__ == "__main__":

@@ -77,10 +77,11 @@ class DDPCore(nn.Module):
         # If buffers are synced, it takes rank 0's buffers (BatchNorm's running statistics) too.
         buffers = list(module.buffers()) if broadcast_buffers else []
         broadcast_coalesced(list(module.parameters()) + buffers, 0, self.process_group)
-        # Buckets, as DDP cuts them. The first backward runs with one bucket per dtype, the last
-        # parameters' first, since gradients arrive roughly back to front. That is a guess. Then
-        # _maybe_rebuild cuts the buckets again, once, in the order that backward showed. They hold
-        # 25 MiB, but the first holds 1 MiB, so that its all-reduce starts early in backward.
+        # DDP groups gradients into buckets. Before the first backward it cannot know their order,
+        # so it takes one bucket per dtype. It launches the last parameters' bucket first, guessing
+        # that gradients arrive back to front, and it records the order they really arrive in.
+        # Before the next step, _maybe_rebuild cuts the buckets again in that order. The first
+        # then holds 1 MiB, so that it leaves early, and the rest 25 MiB.
         # DDP's source says "Experiments showed 1MB is a reasonable value."
         self._caps = ([1 << 20, 25 << 20] if bucket_cap_mb is None
                       else [int(bucket_cap_mb * (1 << 20))])
@@ -88,7 +89,7 @@ class DDPCore(nn.Module):
                                  key=min, reverse=True))
         self._rebuilt, self._order = False, []  # the order gradients got ready in
         self._next, self._queued = 0, False  # the next bucket to launch, and is _finish queued
-        me = weakref.ref(self)  # so that hooks never keep a dropped wrapper alive
+        me = weakref.ref(self)  # A weak link: the hooks alone never keep a dropped wrapper alive.
 
         def hook(i, p):
             core = me()
@@ -106,7 +107,7 @@ class DDPCore(nn.Module):
         if self.require_forward_param_sync and self.broadcast_buffers:  # rank 0's buffers
             broadcast_coalesced(list(self.module.buffers()), 0, self.process_group)
         output = self.module(*inputs, **kwargs)
-        # As in DDP, buffers go out before a forward that follows a synced one, not after no_sync().
+        # As in DDP, rank 0 sends its buffers before each forward that follows a synced backward.
         self.require_forward_param_sync = (torch.is_grad_enabled()
                                            and self.require_backward_grad_sync)
         return output
@@ -207,12 +208,13 @@ class Bucket:
         offsets = itertools.accumulate([p.numel() for p in params], initial=0)
         self.views = [self.flat[o:o + p.numel()].view_as(p) for o, p in zip(offsets, params)]
         self.pending = len(params)  # gradients this backward has still to produce
-        self.work = None  # the last all-reduce, kept, or gloo may free it at exit and abort
+        self.work = None  # The last all-reduce. Kept, since gloo can crash at exit if it is freed.
 
 
 def bucket_layout(params, order, caps):
     """Cut the parameters, taken in `order`, into buckets as DDP does. Each dtype and device fills
-    its own bucket, closed at caps[0] bytes. Later ones take the next cap, and the last repeats."""
+    its own bucket. The first closes at caps[0] bytes, the next at caps[1], and so on. Every
+    later bucket uses the last cap."""
     running, done = {}, []
     for i in order:
         kind = (params[i].dtype, params[i].device)  # one flat tensor holds one dtype on one device
@@ -278,7 +280,7 @@ def batches_from(data, args):
     sampler = torch.utils.data.DistributedSampler(data, seed=args.seed, drop_last=True)
     for epoch in itertools.count():
         sampler.set_epoch(epoch)  # without it, every epoch would replay the first one's order
-        idx = list(sampler)  # not a DataLoader, which would draw random numbers that dropout needs
+        idx = list(sampler)  # No DataLoader: it draws from the generator that dropout uses.
         for k in range(len(idx) // args.batch_size):
             yield data[idx[k * args.batch_size:(k + 1) * args.batch_size]]
 
@@ -381,7 +383,7 @@ def main(args):
     ddp = wrap(model.to(device), args.impl, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=ADAMW_BETAS,
                             weight_decay=WEIGHT_DECAY,
-                            fused=device.type == "cuda")  # on the CPU, the loop the tests check
+                            fused=device.type == "cuda")  # The CPU keeps the exact default.
 
     def lr_factor(step):  # linear warm-up, then cosine decay to LR_FLOOR of --lr at --max-steps
         if step < args.warmup_steps:
@@ -548,7 +550,7 @@ def parse_args(argv=None):
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # from torchrun
 
 
-class UsageError(Exception): ...  # a bad flag or input: one `error:` line (run()), exit status 2
+class UsageError(Exception): ...  # A bad flag or input. run() prints one line, and exits 2.
 
 
 def print0(*msg):  # rank 0 tells the story, once. One write, so that lines from ranks never mix.
@@ -594,14 +596,14 @@ def setup(args):  # pick this rank's device, then join the group
     return device
 
 
-def run(main, parse_args):  # a dead peer ends in the library's timeout error, never a hang
+def run(main, parse_args):  # Runs main. setup()'s timeout ends a job whose peer died.
     try:
         main(parse_args())
-    except UsageError as e:  # every rank stops alike, with exit status 2. Rank 0 says why.
+    except UsageError as e:  # Every rank stops alike, with exit status 2. Rank 0 says why.
         print0(f"error: {e}")
-        os._exit(2)  # at once: tearing down a live group can abort in gloo's threads (SIGABRT)
-    dist.destroy_process_group()  # main() always joins the group first
-    time.sleep(0.05)  # gloo's threads drop their last tensors before exit, or it can abort
+        os._exit(2)  # Exit at once. Tearing down a live group can crash gloo's threads.
+    dist.destroy_process_group()  # main() always joins the group first.
+    time.sleep(0.05)  # Give gloo's threads a moment to let go of tensors, or exit can crash.
 
 
 if __name__ == "__main__":

@@ -377,7 +377,7 @@ def parse_args(argv=None):
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # from torchrun
 
 
-class UsageError(Exception): ...  # a bad flag or input: one `error:` line (run()), exit status 2
+class UsageError(Exception): ...  # A bad flag or input. run() prints one line, and exits 2.
 
 
 def print0(*msg):  # rank 0 tells the story, once. One write, so that lines from ranks never mix.
@@ -423,14 +423,14 @@ def setup(args):  # pick this rank's device, then join the group
     return device
 
 
-def run(main, parse_args):  # a dead peer ends in the library's timeout error, never a hang
+def run(main, parse_args):  # Runs main. setup()'s timeout ends a job whose peer died.
     try:
         main(parse_args())
-    except UsageError as e:  # every rank stops alike, with exit status 2. Rank 0 says why.
+    except UsageError as e:  # Every rank stops alike, with exit status 2. Rank 0 says why.
         print0(f"error: {e}")
-        os._exit(2)  # at once: tearing down a live group can abort in gloo's threads (SIGABRT)
-    dist.destroy_process_group()  # main() always joins the group first
-    time.sleep(0.05)  # gloo's threads drop their last tensors before exit, or it can abort
+        os._exit(2)  # Exit at once. Tearing down a live group can crash gloo's threads.
+    dist.destroy_process_group()  # main() always joins the group first.
+    time.sleep(0.05)  # Give gloo's threads a moment to let go of tensors, or exit can crash.
 
 
 if __name__ == "__main__":

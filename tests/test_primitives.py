@@ -155,11 +155,12 @@ def test_04_orders_padding_and_accuracy_equal_torchs_sampler(lessons, run, size,
     if not set_epoch:  # the break-it run stops after showing the repeat, and says how to fix it
         assert "accuracy" not in story and "sampler.set_epoch(epoch) before each epoch" in story, story
         return
-    last = sum(torch_orders(size, seed, 2), [])
-    naive = sum(i % 3 != 0 for i in last) / len(last)
+    in_order = list(range(size)) + list(range(-size % N))  # shuffle=False pads with the first ones
+    assert f"evaluation in order: seen twice: {sorted(set(range(-size % N)))}" in story, story
+    naive = sum(i % 3 != 0 for i in in_order) / len(in_order)
     exact = sum(i % 3 != 0 for i in range(size)) / size
-    assert (f"accuracy: exact {exact:.4f} | naive distributed {naive:.4f} over {len(last)} samples | padding masked "
-            f"{exact:.4f} over {size} samples") in story, story
+    assert (f"accuracy: exact {exact:.4f} | naive distributed {naive:.4f} over {len(in_order)} samples | "
+            f"padding masked {exact:.4f} over {size} samples") in story, story
 
 
 def test_blocking_ring_shift_deadlocks_and_the_lesson_has_the_last_word(jobs):

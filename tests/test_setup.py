@@ -14,8 +14,9 @@ from conftest import REPO, load_script
 
 SCRIPTS = sorted(p.name for p in REPO.glob("0[0-9]_*.py"))
 # Each file is its lesson plus a short setup (#44). Wrapping at 100 characters (#59) may add 10% to the
-# lines each file had at 120, and 05 stays within 610.
-MOST_LINES = {"01_send_recv.py": 212, "02_broadcast.py": 207, "03_all_reduce.py": 253, "04_sampler.py": 206,
+# lines each file had at 120, and 05 stays within 610. 04 has four more, since it now evaluates in
+# order, and 03 one more, for a plainer docstring.
+MOST_LINES = {"01_send_recv.py": 212, "02_broadcast.py": 207, "03_all_reduce.py": 254, "04_sampler.py": 210,
               "05_manual_ddp_gpt2.py": 610, "06_torch_ddp_resnet.py": 448, "07_zero.py": 601,
               "08_fsdp.py": 836, "09_debugging.py": 495}
 BLOCK_LINES = 45  # non-blank: 40 at 120 characters (#44); wrapping at 100 (#59) took five more
