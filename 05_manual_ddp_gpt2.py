@@ -78,11 +78,10 @@ class DDPCore(nn.Module):
         buffers = list(module.buffers()) if broadcast_buffers else []
         broadcast_coalesced(list(module.parameters()) + buffers, 0, self.process_group)
         # DDP groups gradients into buckets. Before the first backward it cannot know their order,
-        # so it takes one bucket per dtype. It launches the last parameters' bucket first, guessing
-        # that gradients arrive back to front, and it records the order they really arrive in.
-        # Before the next step, _maybe_rebuild cuts the buckets again in that order. The first
-        # then holds 1 MiB, so that it leaves early, and the rest 25 MiB.
-        # DDP's source says "Experiments showed 1MB is a reasonable value."
+        # so it takes one bucket per dtype, the last parameters' first, as gradients arrive roughly
+        # back to front. Before the next step, _maybe_rebuild cuts them again in the order backward
+        # showed. The first then holds 1 MiB, so it leaves early, and the rest hold 25 MiB. DDP's
+        # source says "Experiments showed 1MB is a reasonable value."
         self._caps = ([1 << 20, 25 << 20] if bucket_cap_mb is None
                       else [int(bucket_cap_mb * (1 << 20))])
         self._set_buckets(sorted(bucket_layout(self.params, range(len(self.params)), [math.inf]),
