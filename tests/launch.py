@@ -53,17 +53,18 @@ def make_env(**extra):
 
 
 def _children():
-    """Map pid -> list of child pids, read from /proc."""
+    """Map pid -> list of child pids, read from /proc. Key ("session", sid) lists a session's processes."""
     tree = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
             with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                ppid, sid = (int(x) for x in f.read().rsplit(")", 1)[1].split()[1:4:2])
         except (OSError, IndexError, ValueError):
             continue
         tree.setdefault(ppid, []).append(int(d))
+        tree.setdefault(("session", sid), []).append(int(d))
     return tree
 
 
@@ -84,7 +85,8 @@ def kill_tree(proc):
         proc.wait(timeout=5)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
-    for pid in [proc.pid] + pids + descendants(proc.pid):
+    # and every process of its session (run() starts one): a child whose parent died first has no parent here
+    for pid in [proc.pid] + pids + descendants(proc.pid) + _children().get(("session", proc.pid), []):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -122,8 +124,22 @@ def with_device(args, device):
     return [*map(str, args)] + (["--device", device] if device else [])
 
 
-def torchrun(script, nproc, args=(), timeout=180, torchrun_args=(), device="cpu", **env):
-    """Launch ``script`` under torchrun with ``nproc`` ranks (CPU, gloo by default). Never hangs past ``timeout``."""
+HEAVY = {  # what a script's ranks import besides torch, so that a forked launch imports it once for all ranks
+    "05_manual_ddp_gpt2.py": ("transformers",), "07_zero.py": ("transformers",),
+    "08_fsdp.py": ("transformers", "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp"),
+    "06_torch_ddp_resnet.py": ("torchvision",), "ddp_step.py": ("transformers",), "overlap.py": ("transformers",),
+    "costmodel.py": ("transformers",), "compile_worker.py": ("transformers",), "resnet_worker.py": ("torchvision",),
+    "fsdp_worker.py": ("torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp")}
+
+
+def torchrun(script, nproc, args=(), timeout=180, torchrun_args=(), device="cpu", fork=True, **env):
+    """Launch ``script`` under torchrun with ``nproc`` ranks (CPU, gloo by default). Never hangs past ``timeout``.
+    On the CPU, with no torchrun flags, the ranks are forked by torchrun's own agent from one process that
+    imported torch (and HEAVY's modules) once: on 2 cores a launch's imports cost more than most tests' work. The
+    GPU tier, tests that pass torchrun flags and fork=False run the torchrun command itself."""
+    if fork and device in ("cpu", None) and not torchrun_args:
+        preload = ("torch", *HEAVY.get(Path(script).name, ()))
+        return torchrun_forked(script, {nproc: args}, preload=preload, timeout=timeout, device=device, **env)[nproc]
     t0 = time.time()
     res = run(torchrun_cmd(script, nproc, with_device(args, device), torchrun_args), timeout, env=make_env(**env))
     res.output += f"\n[launch] {script} x{nproc} took {time.time() - t0:.1f}s\n"

@@ -490,35 +490,32 @@ def assert_predictions_hold(report, output, step=0.20, ring=0.50):
 
 
 def check_holds(nproc, tmp_path, **bounds):
-    """check on `nproc` ranks (medians of 2 blocks and 10 rounds), its predictions asserted; measured once more if
-    they miss: a VM's neighbour that takes a core for a few seconds moves one run's times by 20-30% (the 2-rank step
-    missed 20% once, at -22%, in a full-suite run whose every test ran 20% slower than the run before)."""
-    report, output = check(nproc, tmp_path, "--blocks", 2, "--rounds", 10)
+    """check on `nproc` ranks, short (one block, 4 rounds, 3 iterations: about 25 s on 3 ranks), its predictions
+    asserted; measured once more if they miss: a VM's neighbour that takes a core for a few seconds moves one run's
+    times by 20-30%. The tight figures in docs/costmodel.md come from the command run alone, with its defaults."""
+    flags = ("--blocks", 1, "--rounds", 4, "--iters", 3)
+    report, output = check(nproc, tmp_path, *flags)
     try:
         assert_predictions_hold(report, output, **bounds)
     except AssertionError:
-        report, output = check(nproc, tmp_path, "--blocks", 2, "--rounds", 10)
+        report, output = check(nproc, tmp_path, *flags)
         assert_predictions_hold(report, output, **bounds)
     return report
 
 
-@pytest.mark.slow  # 20-60 s of fitting and measuring on 2 cores
-def test_predictions_hold_on_2_ranks(tmp_path):
-    report = check_holds(2, tmp_path)
+@pytest.mark.slow
+def test_predictions_hold_on_3_ranks(tmp_path):
+    """3 ranks: the shards are uneven, and a ring moves 4/3 of the bytes, where 2 ranks move 1. The time bounds are
+    loose, since 3 ranks share 2 cores. The 2-rank figures are the command's own, run alone."""
+    report = check_holds(3, tmp_path, step=0.35, ring=0.75)
     # PyTorch's DDP holds its buckets beside the gradients (2 copies), one with gradient_as_bucket_view (memory())
-    assert report["world_size"] == 2 and {r["strategy"] for r in report["memory"]} == {
+    assert report["world_size"] == 3 and {r["strategy"] for r in report["memory"]} == {
         "ddp", "zero1", "zero2", "fsdp", "torch ddp", "torch ddp, bucket view"}
     # check's calibration is fit's (the same fit_link): collective reads it
     (tmp_path / "cal.json").write_text(json.dumps(report["calibration"]))
-    res = cli("collective", "all_reduce", "--bytes", 1 << 20, "--ranks", 2, "--calibration", tmp_path / "cal.json",
+    res = cli("collective", "all_reduce", "--bytes", 1 << 20, "--ranks", 3, "--calibration", tmp_path / "cal.json",
               "--json")
     assert res.returncode == 0 and json.loads(res.output)["ms"] > 0, res.output
-
-
-@pytest.mark.slow
-def test_predictions_hold_on_3_ranks(tmp_path):
-    report = check_holds(3, tmp_path, step=0.35, ring=0.75)
-    assert report["world_size"] == 3
 
 
 @pytest.fixture(scope="module")
@@ -642,7 +639,7 @@ def test_a_config_is_read_by_its_model_type_and_counted_as_hugging_face_builds_i
 
 def test_ddp_holds_its_buckets_beside_the_gradients_and_the_zero_papers_baseline_tops_out_below_2b():
     """PyTorch's DDP keeps its buckets as a second copy of the gradients unless gradient_as_bucket_view=True (the
-    check on CPU ranks measures it: test_predictions_hold_on_2_ranks). The ZeRO paper (Rajbhandari et al., SC20,
+    check on CPU ranks measures it: test_predictions_hold_on_3_ranks). The ZeRO paper (Rajbhandari et al., SC20,
     Sec. 1): data parallelism "runs out of memory for models with more than 1.4B parameters" on 32 GB V100s. A
     GPT-2-shaped 48-layer model, full checkpointing, 1 x 1024 tokens a GPU, 64 V100 32GB: 1.44B fits, 1.94B does
     not (it did, at 29.6 GiB, without the copy: with the view it still does)."""

@@ -15,8 +15,7 @@ TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", 
 def test_fsdp_and_zero_equal_pytorch_on_3_ranks():
     """fsdp_worker's checks and zero_worker's (07 against DDP and ZeroRedundancyOptimizer) in one 3-rank launch:
     3 ranks make uneven shards and sums whose order shows in the last bit. 2 ranks: the script test below."""
-    res = launch.run(launch.torchrun_cmd("tests/workers/fsdp_worker.py", 3), timeout=300,
-                     env=launch.make_env(ALSO_ZERO="1"))
+    res = launch.torchrun("tests/workers/fsdp_worker.py", 3, timeout=300, device=None, ALSO_ZERO="1")
     assert not res.timed_out and res.returncode == 0, res.output
     oks = [ln for ln in res.output.splitlines() if ln.startswith("OK ")]
     assert [ok.split()[1] for ok in oks] == ["ZeroDDP", "08"] and all("on 3 ranks" in ok for ok in oks), res.output

@@ -262,7 +262,7 @@ def test_dead_peer_ends_the_survivor(tmp_path):
 
 @pytest.mark.slow
 def test_compile_keeps_losses_and_overlap():
-    res = launch.run(launch.torchrun_cmd("tests/workers/compile_worker.py", 2), timeout=240)
+    res = launch.torchrun("tests/workers/compile_worker.py", 2, timeout=240, device=None)
     assert not res.timed_out and res.returncode == 0 and res.ok_line(), res.output
 
 
