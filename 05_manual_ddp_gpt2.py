@@ -477,7 +477,7 @@ def main(args):
     if differs.item():
         raise RuntimeError(f"replicas diverged: {differs.item():.0f} rank(s) differ from rank 0")
     trend = "fell" if last_loss < first_loss else "did NOT fall"
-    print0(f"OK {args.impl} DDP on {WORLD} ranks: replicas identical; "
+    print0(f"OK {args.impl} DDP on {WORLD} rank{'s' * (WORLD > 1)}: replicas identical; "
            f"loss {trend} {first_loss:.4f} -> {last_loss:.4f}")
 
 
