@@ -70,19 +70,23 @@ def test_every_scenario_shows_its_symptom_its_diagnosis_and_its_fix_on_2_and_3_r
     """2 ranks with py-spy; 3 ranks under a Python that has none beside it and a PATH without it (a virtual
     environment over this one, not activated): stacks skipped, said, and uneven's hang still diagnosed."""
     hangs = ["rank0-only", "uneven"]
-    faults = {2: [f for f in SCENARIOS if f not in hangs], "2, hangs": hangs, 3: ["uneven"]}  # 3: [0, 1] vs [2]
+    jobs = {"2 ranks": (2, [f for f in SCENARIOS if f not in hangs]), "2 ranks, hangs": (2, hangs),
+            "3 ranks": (3, ["uneven"])}  # on 3 ranks, the ranks waiting in the barrier are [0, 1]
     python, path = venv_python(tmp_path)
-    cmd = {n: launch.torchrun_cmd("09_debugging.py", int(str(n)[0]), ["--fault", *faults[n], "--device", "cpu"])
-           for n in faults}
-    cmd[3][0] = python
-    env = {n: launch.make_env(**({"PATH": path} if n == 3 else {})) for n in faults}
+
+    def run(name):
+        nproc, faults = jobs[name]
+        cmd = launch.torchrun_cmd("09_debugging.py", nproc, ["--fault", *faults, "--device", "cpu"])
+        if nproc == 3:
+            return launch.run([python, *cmd[1:]], timeout=900, env=launch.make_env(PATH=path))
+        return launch.run(cmd, timeout=900)
     # three jobs at once: each waits for its child jobs' startups and timeouts, which the others fill
     with ThreadPoolExecutor(3) as pool:
-        jobs = dict(zip(faults, pool.map(lambda n: launch.run(cmd[n], timeout=900, env=env[n]), faults)))
-    for n, res in jobs.items():
-        assert not res.timed_out and res.returncode == 0, f"{n} ranks\n{res.output[-6000:]}"
-    faults[2] += hangs
-    runs = {2: launch.Result(0, jobs[2].output + jobs["2, hangs"].output, False), 3: jobs[3]}
+        done = dict(zip(jobs, pool.map(run, jobs)))
+    for name, res in done.items():
+        assert not res.timed_out and res.returncode == 0, f"{name}\n{res.output[-6000:]}"
+    faults = {2: list(SCENARIOS), 3: jobs["3 ranks"][1]}
+    runs = {2: launch.Result(0, done["2 ranks"].output + done["2 ranks, hangs"].output, False), 3: done["3 ranks"]}
     for nproc, res in runs.items():
         for scenario in faults[nproc]:
             for text in SCENARIOS[scenario]:
